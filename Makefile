@@ -1,0 +1,43 @@
+# tasklease: every target sets up what it needs (virtualenv, Python packages, Go-built binaries).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+LOCAL  := $(PY) -m tasklease.localcluster
+
+.PHONY: help venv build cluster cluster-down test demo bench crds operator clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*; touch $@
+
+venv: $(STAMP) ## create the virtualenv and install tasklease with its test extra
+
+build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (and helm) once, cached outside the clone
+	$(LOCAL) build
+
+cluster: build ## start the local control plane on 127.0.0.1 and apply crds/
+	$(LOCAL) up
+
+cluster-down: venv ## stop the local control plane and remove its data
+	$(LOCAL) down
+
+crds: venv ## regenerate crds/ and the chart's CRDs from the pydantic models
+	$(PY) -m tasklease.crd
+
+test: build ## run the test suite (starts its own control plane; TASKLEASE_KUBECONFIG=... uses yours)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
+	$(PY) -m tasklease.demo
+
+bench: build ## claim throughput and time-to-requeue, beside a baseline measured in the same run
+	$(PY) -m tasklease.bench
+
+clean: cluster-down ## remove .cache/ and the virtualenv (the cached binaries stay)
+	rm -rf .cache $(VENV)

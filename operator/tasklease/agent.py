@@ -1,0 +1,366 @@
+"""The agent SDK: claim a task, keep its lease alive, stop the work the moment it is lost.
+
+    agent = Agent.connect()
+    agent.start()                      # release what an older instance of this pod held
+    with agent.claim(queue="emails") as task:
+        send(task.payload, fence=task.epoch)
+        task.complete("sent")
+
+Renewal runs in a background thread several times per lease duration. If a renewal is
+refused (the lease was expired, cancelled or taken over), or none has succeeded for the
+renew deadline (two thirds of the lease duration, on the monotonic clock, so the agent
+gives up before anyone else can take over), the task is *lost*: `task.lost` is set, the
+`on_lost` callbacks run, and the thread that claimed it gets a `LostLease` exception.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+from tasklease import errors, lease
+from tasklease.discovery import QueueView, lease_selector, task_selector
+from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.lease import Held, LeaseRecord, Protocol, TaskView
+
+log = logging.getLogger(__name__)
+
+RENEWS_PER_DURATION = 3
+RENEW_DEADLINE_FRACTION = 2 / 3
+_RETRY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Identity:
+    """`<pod>/<instance>`: the pod survives restarts of the process, the instance does not."""
+
+    pod: str
+    instance: str
+
+    @classmethod
+    def from_environment(cls) -> Identity:
+        pod = os.environ.get("TASKLEASE_AGENT_ID") or os.environ.get("POD_NAME") or socket.gethostname()
+        return cls(pod=pod, instance=uuid.uuid4().hex[:8])
+
+    @property
+    def holder(self) -> str:
+        return f"{self.pod}/{self.instance}"
+
+
+class ClaimedTask:
+    """One held attempt. Use it as a context manager: an exception fails the attempt
+    (retryable), leaving without an outcome releases it."""
+
+    def __init__(self, protocol: Protocol, held: Held, payload: dict[str, Any], *, interrupt: bool,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.protocol = protocol
+        self._held = held
+        self.payload = payload
+        self.lost = threading.Event()
+        self.lost_reason = ""
+        self.on_lost: list[Callable[[ClaimedTask], None]] = []
+        self._interrupt = interrupt
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        self._done = False
+        self._owner_thread = threading.current_thread()
+        self._stop = threading.Event()
+        self._previous_handler: Any = None
+        self._renewer = threading.Thread(target=self._renew_loop, name=f"renew-{held.name}", daemon=True)
+        self._renewer.start()
+
+    # -- what the work sees ------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._held.name
+
+    @property
+    def namespace(self) -> str:
+        return self._held.namespace
+
+    @property
+    def epoch(self) -> int:
+        """The fencing token: only grows for this task. Hand it to whatever you write to."""
+        return self._held.epoch
+
+    @property
+    def holder(self) -> str:
+        return self._held.holder
+
+    @property
+    def held(self) -> Held:
+        return self._held
+
+    @property
+    def finished(self) -> bool:
+        """True once this attempt ended: completed, failed, released or lost."""
+        return self._done
+
+    def detach(self) -> None:
+        """Stop renewing here without ending the attempt: another process (a shell script
+        using `tasklease renew`) takes over the renewals."""
+        with self._lock:
+            self._done = True
+        self._shutdown()
+
+    def check(self) -> None:
+        """Raise LostLease if the task is no longer ours: call it between steps of long work."""
+        if self.lost.is_set():
+            raise errors.LostLease(self.lost_reason)
+
+    def complete(self, result: Any = "") -> None:
+        text = result if isinstance(result, str) else json.dumps(result, separators=(",", ":"))
+        self._finish(lambda h: self.protocol.complete(h, text))
+
+    def fail(self, message: str, *, retryable: bool = True) -> None:
+        self._finish(lambda h: self.protocol.fail(h, message, retryable=retryable))
+
+    def release(self, message: str = "released by its holder") -> None:
+        self._finish(lambda h: self.protocol.release(h, message))
+
+    # -- context manager ---------------------------------------------------------------
+
+    def __enter__(self) -> ClaimedTask:
+        self._owner_thread = threading.current_thread()
+        if self._interrupt and self._owner_thread is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_lost)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if not self._done and not self.lost.is_set():
+                if exc is None:
+                    self.release("left the work without an outcome")
+                elif not isinstance(exc, errors.LostLease):
+                    self.fail(f"{kind.__name__ if kind else 'error'}: {exc}", retryable=True)
+        finally:
+            self._shutdown()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _finish(self, write: Callable[[Held], Held]) -> None:
+        with self._lock:
+            if self._done:
+                raise errors.Invalid(f"task {self.namespace}/{self.name}: attempt {self.epoch} already ended")
+            self.check()
+            try:
+                self._held = write(self._held)
+            except errors.LostLease as exc:
+                self._mark_lost(str(exc))
+                raise
+            self._done = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGUSR1, self._previous_handler)
+            self._previous_handler = None
+
+    def _renew_loop(self) -> None:
+        duration = self._held.duration_s
+        interval = duration / RENEWS_PER_DURATION
+        renew_deadline = duration * RENEW_DEADLINE_FRACTION
+        last_ok = self._monotonic()
+        wait = interval
+        while not self._stop.wait(wait):
+            # Checked before the write: after a pause (SIGSTOP, a long GC) the lease may
+            # already belong to someone else, whatever the API server would say.
+            if self._monotonic() - last_ok > renew_deadline:
+                self._lose(f"no successful renewal for {renew_deadline:.0f}s (renew deadline)")
+                return
+            with self._lock:
+                if self._done:
+                    return
+                try:
+                    self._held = self.protocol.renew(self._held)
+                except errors.LostLease as exc:
+                    self._mark_lost(str(exc))
+                    lost = True
+                except errors.TaskleaseError as exc:
+                    log.warning("renewing %s/%s failed (%s); retrying", self.namespace, self.name, exc)
+                    wait = _RETRY_S
+                    continue
+                else:
+                    lost = False
+                    last_ok = self._monotonic()
+                    wait = interval
+            if lost:
+                self._notify_lost()
+                return
+
+    def _lose(self, reason: str) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._mark_lost(reason)
+        self._notify_lost()
+
+    def _mark_lost(self, reason: str) -> None:
+        self.lost_reason = reason
+        self.lost.set()
+        self._done = True
+
+    def _notify_lost(self) -> None:
+        log.warning("lost task %s/%s (attempt %d): %s", self.namespace, self.name, self.epoch, self.lost_reason)
+        for callback in self.on_lost:
+            callback(self)
+        if self._interrupt and not self._stop.is_set():
+            _interrupt_thread(self._owner_thread)
+
+    def _raise_lost(self, signum: int, frame: FrameType | None) -> None:
+        if self.lost.is_set():
+            raise errors.LostLease(self.lost_reason)
+
+
+def _interrupt_thread(thread: threading.Thread) -> None:
+    """Raise LostLease in the thread doing the work: a signal wakes the main thread out of
+    a blocking call; other threads get an asynchronous exception at their next bytecode."""
+    if thread is threading.main_thread():
+        signal.pthread_kill(thread.ident or 0, signal.SIGUSR1)
+    elif thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(errors.LostLease))
+
+
+class Agent:
+    """Claims tasks for one identity. Thread-safe; one QueueView (two watches) per queue."""
+
+    def __init__(self, kube: Kube, *, namespace: str | None = None, identity: Identity | None = None,
+                 best_of: int = 5, rng: random.Random | None = None) -> None:
+        self.kube = kube
+        self.namespace = namespace or kube.namespace
+        self.identity = identity or Identity.from_environment()
+        self.protocol = Protocol(kube)
+        self.best_of = best_of
+        self.rng = rng or random.Random()
+        self._views: dict[str, QueueView] = {}
+        self._views_lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, *, kubeconfig: str | None = None, namespace: str | None = None, **kwargs: Any) -> Agent:
+        return cls(Kube.connect(kubeconfig=kubeconfig, namespace=namespace), **kwargs)
+
+    def start(self) -> list[str]:
+        """The live check (I5): release at once every lease an older instance of this pod
+        still holds, instead of letting it wait out its duration. Returns their names."""
+        selector = f"{lease.LABEL_HOLDER_POD}={lease.label_value(self.identity.pod)}"
+        released = []
+        for obj in self.kube.list(LEASES, namespace=self.namespace, label_selector=selector).get("items", []):
+            rec = lease.decode(obj)
+            if rec.state != lease.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
+                continue
+            task = self.kube.get_or_none(TASKS, rec.name, namespace=self.namespace)
+            if task is None:
+                continue
+            view = TaskView.of(task)
+            held = Held(namespace=rec.namespace, name=rec.name, holder=rec.holder, epoch=rec.epoch,
+                        spec=view.spec, uid=view.uid, record=rec)
+            try:
+                self.protocol.release(held, f"its agent restarted as {self.identity.holder}")
+            except errors.LostLease:
+                continue
+            log.info("released %s/%s: held by %s, an older instance of this pod", rec.namespace, rec.name, rec.holder)
+            released.append(rec.name)
+        return released
+
+    def claim(self, queue: str, *, timeout: float | None = None, interrupt: bool = True) -> ClaimedTask:
+        """Wait (watch-driven, no polling) until a task of `queue` is ours. NothingToClaim on timeout."""
+        view = self._view(queue)
+        give_up = None if timeout is None else time.monotonic() + timeout
+        while True:
+            since = view.generation()
+            claimed = self._try(view.candidates(lease.now_utc()), interrupt=interrupt, on_conflict=view.mark_lost)
+            if claimed is not None:
+                return claimed
+            wait = 60.0
+            if give_up is not None:
+                wait = give_up - time.monotonic()
+                if wait <= 0:
+                    raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+            next_ready = view.next_not_before()
+            if next_ready is not None:
+                wait = min(wait, max((next_ready - lease.now_utc()).total_seconds(), 0.05))
+            view.wait_for_change(since, wait)
+
+    def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
+        """One look (two LISTs), no watch: for the stateless CLI."""
+        tasks = self.kube.list(TASKS, namespace=self.namespace, field_selector=task_selector(queue))["items"]
+        leases = {o["metadata"]["name"]: lease.decode(o) for o in
+                  self.kube.list(LEASES, namespace=self.namespace, label_selector=lease_selector(queue))["items"]}
+        now = lease.now_utc()
+        candidates = []
+        for obj in tasks:
+            view = TaskView.of(obj)
+            rec = leases.get(view.name)
+            if lease.why_not_claimable(view, rec, now) is None:
+                candidates.append((view, rec))
+        claimed = self._try(candidates, interrupt=interrupt, on_conflict=lambda name: None)
+        if claimed is None:
+            raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+        return claimed
+
+    def work(self, queue: str, handler: Callable[[ClaimedTask], Any], *, stop: threading.Event | None = None,
+             max_tasks: int | None = None, idle_timeout: float | None = None) -> int:
+        """The worker loop: claim, run `handler`, complete with what it returns. Returns how many
+        tasks it completed; stops on `stop`, after `max_tasks`, or after `idle_timeout` idle."""
+        stop = stop or threading.Event()
+        done = 0
+        while not stop.is_set() and (max_tasks is None or done < max_tasks):
+            try:
+                task = self.claim(queue, timeout=idle_timeout if idle_timeout is not None else 1.0)
+            except errors.NothingToClaim:
+                if idle_timeout is not None:
+                    break
+                continue
+            try:
+                with task:
+                    result = handler(task)
+                    if not task.lost.is_set() and not task.finished:
+                        task.complete(result if result is not None else "")
+                        done += 1
+            except errors.LostLease as exc:
+                log.warning("gave up %s/%s: %s", task.namespace, task.name, exc)
+            except Exception:  # noqa: BLE001 - the attempt was failed in __exit__; keep working
+                log.exception("task %s/%s failed", task.namespace, task.name)
+        return done
+
+    def close(self) -> None:
+        with self._views_lock:
+            for view in self._views.values():
+                view.stop()
+            self._views.clear()
+
+    def _view(self, queue: str) -> QueueView:
+        with self._views_lock:
+            view = self._views.get(queue)
+            if view is None:
+                view = QueueView(self.kube, namespace=self.namespace, queue=queue)
+                view.start()
+                self._views[queue] = view
+            return view
+
+    def _try(self, candidates: list[tuple[TaskView, LeaseRecord | None]], *, interrupt: bool,
+             on_conflict: Callable[[str], None]) -> ClaimedTask | None:
+        for task, rec in lease.pick(candidates, best_of=self.best_of, rng=self.rng):
+            try:
+                held = self.protocol.claim(task, rec, self.identity.holder)
+            except (errors.Conflict, errors.Invalid):
+                on_conflict(task.name)
+                continue
+            log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)
+            return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt)
+        return None

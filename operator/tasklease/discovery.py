@@ -1,0 +1,122 @@
+"""What an agent can claim in one queue, kept current by two server-filtered watches.
+
+Tasks are selected by the API server on `spec.queue` (a CRD selectable field) and Leases
+by the `tasklease.dev/queue` label, so an agent downloads only its own queue. No polling:
+a waiting agent sleeps until a watch event arrives or the earliest backoff runs out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime
+
+from tasklease import lease
+from tasklease.kube import JSON, LEASES, TASKS, Kube
+from tasklease.lease import LeaseRecord, TaskView
+from tasklease.watching import Reflector
+
+_TERMINAL_PHASES = ("Succeeded", "Failed", "Cancelled")
+
+
+def task_selector(queue: str) -> str:
+    """Tasks of `queue` whose projected phase is not terminal (the server filters)."""
+    return ",".join([f"spec.queue={queue}", *(f"status.phase!={p}" for p in _TERMINAL_PHASES)])
+
+
+def lease_selector(queue: str) -> str:
+    return f"{lease.LABEL_QUEUE}={queue},{lease.LABEL_STATE}!={lease.CLOSED}"
+
+
+class QueueView:
+    """A live, thread-safe picture of one queue's open tasks and their Leases."""
+
+    def __init__(self, kube: Kube, *, namespace: str, queue: str) -> None:
+        self.queue = queue
+        self._tasks: dict[str, TaskView] = {}
+        self._leases: dict[str, LeaseRecord] = {}
+        # Leases that left the watch because they closed: their tasks are finished even
+        # while the operator has not yet projected a terminal phase.
+        self._closed: set[str] = set()
+        self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
+        self._changed = threading.Condition()
+        self._generation = 0
+        self._reflectors = [
+            Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
+                      listener=self._on_task),
+            Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
+                      listener=self._on_lease),
+        ]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        for r in self._reflectors:
+            r.start()
+        deadline = time.monotonic() + timeout_s
+        for r in self._reflectors:
+            if not r.synced.wait(max(deadline - time.monotonic(), 0)):
+                raise TimeoutError(f"watch of queue {self.queue!r} did not sync in {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        for r in self._reflectors:
+            r.stop()
+
+    def candidates(self, now: datetime) -> list[tuple[TaskView, LeaseRecord | None]]:
+        with self._changed:
+            return [(t, self._leases.get(name)) for name, t in self._tasks.items()
+                    if name not in self._closed and not self._recently_lost(name)
+                    and lease.why_not_claimable(t, self._leases.get(name), now) is None]
+
+    def next_not_before(self) -> datetime | None:
+        """The earliest backoff end among open tasks: when to look again without an event."""
+        with self._changed:
+            times = [r.not_before for name, r in self._leases.items()
+                     if r.not_before is not None and r.state == lease.FREE and name in self._tasks]
+        return min(times) if times else None
+
+    def generation(self) -> int:
+        with self._changed:
+            return self._generation
+
+    def wait_for_change(self, since: int, timeout_s: float) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != since, timeout=timeout_s)
+
+    def mark_lost(self, name: str) -> None:
+        """After a lost race: skip `name` until its Lease is seen to change."""
+        with self._changed:
+            current = self._leases.get(name)
+            self._lost[name] = current.resource_version if current else ""
+
+    def _on_task(self, kind: str, obj: JSON) -> None:
+        name = obj["metadata"]["name"]
+        with self._changed:
+            if kind == "DELETED":
+                self._tasks.pop(name, None)
+                self._closed.discard(name)
+            else:
+                self._tasks[name] = TaskView.of(obj)
+            self._bump()
+
+    def _on_lease(self, kind: str, obj: JSON) -> None:
+        rec = lease.decode(obj)
+        with self._changed:
+            if kind == "DELETED":
+                self._leases.pop(rec.name, None)
+                if rec.state == lease.CLOSED:
+                    self._closed.add(rec.name)
+            else:
+                self._leases[rec.name] = rec
+            self._bump()
+
+    def _recently_lost(self, name: str) -> bool:
+        if name not in self._lost:
+            return False
+        current = self._leases.get(name)
+        if (current.resource_version if current else "") == self._lost[name]:
+            return True
+        del self._lost[name]
+        return False
+
+    def _bump(self) -> None:
+        self._generation += 1
+        self._changed.notify_all()

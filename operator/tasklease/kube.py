@@ -1,0 +1,186 @@
+"""A thin, typed door to the Kubernetes API: raw JSON in and out, HTTP statuses as exceptions.
+
+Everything above this module speaks dicts and the exceptions in `tasklease.errors`;
+only this module knows about the `kubernetes` client. Writes are never retried here:
+a 409 is an answer the protocol must see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import urllib3
+from kubernetes import client, config
+
+from tasklease import errors, models
+
+JSON = dict[str, Any]
+_SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+@dataclass(frozen=True)
+class Resource:
+    """Where a kind lives in the REST API."""
+
+    group: str
+    version: str
+    plural: str
+    namespaced: bool = True
+
+    def path(self, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
+        base = f"/api/{self.version}" if not self.group else f"/apis/{self.group}/{self.version}"
+        if namespace is not None and self.namespaced:
+            base += f"/namespaces/{quote(namespace)}"
+        base += f"/{self.plural}"
+        if name is not None:
+            base += f"/{quote(name)}"
+        if sub is not None:
+            base += f"/{sub}"
+        return base
+
+
+TASKS = Resource(models.GROUP, models.VERSION, models.PLURAL)
+LEASES = Resource("coordination.k8s.io", "v1", "leases")
+PODS = Resource("", "v1", "pods")
+EVENTS = Resource("", "v1", "events")
+NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
+
+
+class Kube:
+    """One API client and a default namespace. Thread-safe: urllib3 pools connections."""
+
+    def __init__(self, api_client: client.ApiClient, namespace: str) -> None:
+        self.api_client = api_client
+        self.namespace = namespace
+
+    @classmethod
+    def connect(cls, *, kubeconfig: str | None = None, context: str | None = None,
+                namespace: str | None = None, pool_size: int = 16) -> Kube:
+        """Configure from a kubeconfig (flag, $KUBECONFIG, ~/.kube/config) or, in a pod, in-cluster."""
+        configuration = client.Configuration()
+        default_ns = "default"
+        try:
+            if kubeconfig or os.environ.get("KUBECONFIG") or not os.path.exists(_SA_NAMESPACE):
+                config.load_kube_config(config_file=kubeconfig, context=context,
+                                        client_configuration=configuration)
+                _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+                default_ns = (active or {}).get("context", {}).get("namespace") or "default"
+            else:
+                config.load_incluster_config(client_configuration=configuration)
+                with open(_SA_NAMESPACE) as f:
+                    default_ns = f.read().strip()
+        except (config.ConfigException, OSError) as exc:
+            raise errors.Unreachable(f"no usable cluster configuration: {exc}") from None
+        configuration.connection_pool_maxsize = pool_size
+        configuration.retries = 0
+        return cls(client.ApiClient(configuration), namespace or default_ns)
+
+    # -- requests ---------------------------------------------------------------
+
+    def request(self, method: str, path: str, *, query: dict[str, Any] | None = None,
+                body: Any = None, content_type: str = "application/json", timeout: float = 30) -> JSON:
+        resp = self._send(method, path, query=query or {}, body=body, content_type=content_type,
+                          timeout=timeout)
+        try:
+            data: JSON = json.loads(resp.data or b"{}")
+        finally:
+            resp.release_conn()
+        return data
+
+    def _send(self, method: str, path: str, *, query: dict[str, Any], body: Any, content_type: str,
+              timeout: float | tuple[float, float]) -> urllib3.BaseHTTPResponse:
+        """One HTTP request with the client's authentication; a status >= 400 becomes an exception."""
+        _, url, headers, _, _ = self.api_client.param_serialize(
+            method=method, resource_path=path, query_params=list(query.items()),
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            auth_settings=["BearerToken"])
+        payload = json.dumps(body).encode() if body is not None else None
+        try:
+            resp = self.api_client.rest_client.pool_manager.request(
+                method, url, body=payload, headers=headers, preload_content=False,
+                timeout=urllib3.Timeout(connect=10, read=timeout[1]) if isinstance(timeout, tuple) else timeout,
+                retries=False)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise errors.Unreachable(f"cannot reach the Kubernetes API server: {_short(exc)}") from None
+        if resp.status >= 400:
+            message = _message(resp.data)
+            resp.release_conn()
+            raise errors.from_status(resp.status, message, path=path)
+        return resp
+
+    def get(self, res: Resource, name: str, *, namespace: str | None = None) -> JSON:
+        return self.request("GET", res.path(namespace or self.namespace, name))
+
+    def get_or_none(self, res: Resource, name: str, *, namespace: str | None = None) -> JSON | None:
+        try:
+            return self.get(res, name, namespace=namespace)
+        except errors.NotFound:
+            return None
+
+    def list(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
+             label_selector: str = "", field_selector: str = "") -> JSON:
+        ns = None if all_namespaces else (namespace or self.namespace)
+        return self.request("GET", res.path(ns), query=_selectors(label_selector, field_selector))
+
+    def create(self, res: Resource, body: JSON, *, namespace: str | None = None) -> JSON:
+        return self.request("POST", res.path(namespace or self.namespace), body=body)
+
+    def replace(self, res: Resource, body: JSON, *, sub: str | None = None) -> JSON:
+        """A PUT that carries metadata.resourceVersion: the API server answers 409 if it moved."""
+        meta = body["metadata"]
+        return self.request("PUT", res.path(meta["namespace"], meta["name"], sub), body=body)
+
+    def merge_patch(self, res: Resource, name: str, patch: JSON, *, namespace: str | None = None) -> JSON:
+        return self.request("PATCH", res.path(namespace or self.namespace, name), body=patch,
+                            content_type="application/merge-patch+json")
+
+    def delete(self, res: Resource, name: str, *, namespace: str | None = None,
+               preconditions: JSON | None = None) -> None:
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": preconditions} if preconditions else None
+        self.request("DELETE", res.path(namespace or self.namespace, name), body=body)
+
+    def watch(self, res: Resource, *, namespace: str | None, resource_version: str,
+              label_selector: str = "", field_selector: str = "", timeout_s: int = 300) -> Iterator[JSON]:
+        """Stream watch events from `resource_version` until the server closes the stream."""
+        query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
+                 "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
+        resp = self._send("GET", res.path(namespace), query=query, body=None, content_type="application/json",
+                          timeout=(10, timeout_s + 30))
+        buffer = b""
+        try:
+            for chunk in resp.stream(4096, decode_content=False):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        yield json.loads(line)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
+        finally:
+            resp.release_conn()
+
+
+def _selectors(label_selector: str, field_selector: str) -> dict[str, str]:
+    query = {}
+    if label_selector:
+        query["labelSelector"] = label_selector
+    if field_selector:
+        query["fieldSelector"] = field_selector
+    return query
+
+
+def _message(body: Any) -> str:
+    try:
+        return str(json.loads(body).get("message", body))
+    except (TypeError, ValueError, AttributeError):
+        return str(body or "")
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 200 else text[:200] + "..."

@@ -1,0 +1,324 @@
+"""A real, local Kubernetes control plane: etcd, kube-apiserver and kube-controller-manager.
+
+What envtest does, plus the controller-manager (for the garbage collector, namespace
+deletion and service-account tokens) and an audit log the tests read. Everything
+listens on 127.0.0.1; all state lives in one work directory, so several clusters
+(a developer's `make cluster` and the test suite's) can run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from tasklease.localcluster import binaries
+
+ADMIN_USER = "tasklease-admin"
+_STATE_FILE = "cluster.json"
+_READY_TIMEOUT_S = 90.0
+
+# Metadata for everything (enough to count who made which request) and the whole
+# object for Leases, so tests can replay every write of the claim protocol.
+_AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "RequestResponse", "resources": [{"group": "coordination.k8s.io", "resources": ["leases"]}],
+         "verbs": ["create", "update", "patch", "delete"]},
+        {"level": "Metadata"},
+    ],
+}
+
+
+@dataclass
+class ClusterState:
+    workdir: str
+    etcd_port: int
+    apiserver_port: int
+    pids: dict[str, int]
+    kubeconfig: str
+    audit_log: str
+    version: str
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+
+class LocalCluster:
+    """Starts, finds and stops the control plane kept in ``workdir``."""
+
+    def __init__(self, workdir: Path, kubeconfig: Path | None = None) -> None:
+        self.workdir = workdir.resolve()
+        self.kubeconfig = (kubeconfig or self.workdir / "kubeconfig").resolve()
+
+    # -- public -----------------------------------------------------------------
+
+    def running(self) -> ClusterState | None:
+        """The state of a healthy cluster started from this workdir, or None."""
+        path = self.workdir / _STATE_FILE
+        if not path.exists():
+            return None
+        state = ClusterState(**json.loads(path.read_text()))
+        if not all(_alive(pid) for pid in state.pids.values()):
+            return None
+        return state if self._ready(state) else None
+
+    def up(self) -> ClusterState:
+        state = self.running()
+        if state is not None:
+            return state
+        self.down()
+        bins = binaries.ensure_kubernetes()
+        started = time.monotonic()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        pki = self._make_pki()
+        etcd_port, apiserver_port = _free_port(), _free_port()
+        state = ClusterState(
+            workdir=str(self.workdir), etcd_port=etcd_port, apiserver_port=apiserver_port,
+            pids={}, kubeconfig=str(self.kubeconfig), audit_log=str(self.workdir / "audit.log"),
+            version=binaries.KUBERNETES_VERSION,
+        )
+        try:
+            state.pids["etcd"] = self._start_etcd(bins, etcd_port)
+            self._write_state(state)
+            state.pids["kube-apiserver"] = self._start_apiserver(bins, state, pki)
+            self._write_state(state)
+            self._wait_ready(state)
+            self._write_kubeconfigs(state, pki)
+            state.pids["kube-controller-manager"] = self._start_controller_manager(bins, pki)
+            self._write_state(state)
+        except BaseException:
+            self.down()
+            raise
+        _log(f"control plane {state.version} ready at {state.server} in {time.monotonic() - started:.1f}s")
+        return state
+
+    def down(self) -> None:
+        """Stop every process this workdir's cluster started and remove its data."""
+        path = self.workdir / _STATE_FILE
+        if path.exists():
+            pids = json.loads(path.read_text()).get("pids", {})
+            for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+                pid = pids.get(name)
+                if pid:
+                    _terminate(pid)
+            path.unlink()
+        for sub in ("etcd-data", "pki", "audit.log", "logs"):
+            target = self.workdir / sub
+            if target.is_dir():
+                _rmtree(target)
+            elif target.exists():
+                target.unlink()
+        if self.kubeconfig.exists():
+            self.kubeconfig.unlink()
+
+    # -- processes ----------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> int:
+        logs = self.workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        with open(logs / f"{name}.log", "ab") as out:
+            # A new session: the control plane outlives `make cluster`, and Ctrl-C
+            # in the terminal that started it does not reach it.
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        return proc.pid
+
+    def _start_etcd(self, bins: binaries.Binaries, port: int) -> int:
+        url = f"http://127.0.0.1:{port}"
+        return self._spawn("etcd", [
+            str(bins.etcd),
+            "--name=tasklease",
+            f"--data-dir={self.workdir / 'etcd-data'}",
+            f"--listen-client-urls={url}",
+            f"--advertise-client-urls={url}",
+            f"--listen-peer-urls=http://127.0.0.1:{_free_port()}",
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+        ])
+
+    def _start_apiserver(self, bins: binaries.Binaries, state: ClusterState, pki: dict[str, Path]) -> int:
+        policy = self.workdir / "pki" / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(_AUDIT_POLICY))
+        return self._spawn("kube-apiserver", [
+            str(bins.kube_apiserver),
+            f"--etcd-servers=http://127.0.0.1:{state.etcd_port}",
+            f"--cert-dir={self.workdir / 'pki'}",
+            f"--tls-cert-file={pki['serving_crt']}",
+            f"--tls-private-key-file={pki['serving_key']}",
+            f"--client-ca-file={pki['ca_crt']}",
+            f"--secure-port={state.apiserver_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki['sa_pub']}",
+            f"--service-account-signing-key-file={pki['sa_key']}",
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={state.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-mode=blocking",
+            "--audit-log-maxsize=0",
+            "--allow-privileged=true",
+        ])
+
+    def _start_controller_manager(self, bins: binaries.Binaries, pki: dict[str, Path]) -> int:
+        return self._spawn("kube-controller-manager", [
+            str(bins.kube_controller_manager),
+            f"--kubeconfig={self.workdir / 'pki' / 'controller-manager.kubeconfig'}",
+            "--controllers=garbagecollector,namespace,serviceaccount,serviceaccount-token",
+            f"--service-account-private-key-file={pki['sa_key']}",
+            f"--root-ca-file={pki['ca_crt']}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            "--secure-port=0",
+            "--use-service-account-credentials=false",
+        ])
+
+    # -- readiness --------------------------------------------------------------------
+
+    def _ready(self, state: ClusterState) -> bool:
+        pki = self.workdir / "pki"
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        try:
+            with urllib.request.urlopen(f"{state.server}/readyz", context=ctx, timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError, ssl.SSLError):
+            return False
+
+    def _wait_ready(self, state: ClusterState) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for name, pid in state.pids.items():
+                if not _alive(pid):
+                    log = self.workdir / "logs" / f"{name}.log"
+                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    raise RuntimeError(f"{name} exited during start-up; its log ends with:\n{tail}")
+            if self._ready(state):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"kube-apiserver not ready after {_READY_TIMEOUT_S:.0f}s; see {self.workdir / 'logs'}")
+
+    # -- credentials ----------------------------------------------------------------
+
+    def _make_pki(self) -> dict[str, Path]:
+        pki = self.workdir / "pki"
+        pki.mkdir(parents=True, exist_ok=True)
+        paths = {
+            "ca_crt": pki / "ca.crt", "ca_key": pki / "ca.key",
+            "serving_crt": pki / "serving.crt", "serving_key": pki / "serving.key",
+            "admin_crt": pki / "admin.crt", "admin_key": pki / "admin.key",
+            "sa_key": pki / "sa.key", "sa_pub": pki / "sa.pub",
+        }
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365",
+                 "-subj", "/CN=tasklease-local-ca", "-keyout", paths["ca_key"], "-out", paths["ca_crt"],
+                 "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        _signed_cert(paths, "serving", "/CN=kube-apiserver",
+                     "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc", "serverAuth")
+        _signed_cert(paths, "admin", f"/O=system:masters/CN={ADMIN_USER}", None, "clientAuth")
+        _openssl("genrsa", "-out", paths["sa_key"], "2048")
+        _openssl("rsa", "-in", paths["sa_key"], "-pubout", "-out", paths["sa_pub"])
+        return paths
+
+    def _write_kubeconfigs(self, state: ClusterState, pki: dict[str, Path]) -> None:
+        config = admin_kubeconfig(server=state.server, ca=pki["ca_crt"], cert=pki["admin_crt"], key=pki["admin_key"])
+        self.kubeconfig.parent.mkdir(parents=True, exist_ok=True)
+        self.kubeconfig.write_text(yaml.safe_dump(config))
+        (self.workdir / "pki" / "controller-manager.kubeconfig").write_text(yaml.safe_dump(config))
+
+    def _write_state(self, state: ClusterState) -> None:
+        (self.workdir / _STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+
+
+def admin_kubeconfig(*, server: str, ca: Path, cert: Path, key: Path) -> dict[str, object]:
+    return {
+        "apiVersion": "v1", "kind": "Config", "current-context": "tasklease-local",
+        "clusters": [{"name": "tasklease-local", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": ADMIN_USER, "user": {"client-certificate": str(cert), "client-key": str(key)}}],
+        "contexts": [{"name": "tasklease-local",
+                      "context": {"cluster": "tasklease-local", "user": ADMIN_USER, "namespace": "default"}}],
+    }
+
+
+def _signed_cert(paths: dict[str, Path], name: str, subject: str, san: str | None, usage: str) -> None:
+    key, crt = paths[f"{name}_key"], paths[f"{name}_crt"]
+    csr = crt.with_suffix(".csr")
+    ext = crt.with_suffix(".ext")
+    ext.write_text("\n".join(filter(None, [
+        "basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment",
+        f"extendedKeyUsage={usage}", san])) + "\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", key, "-out", csr)
+    _openssl("x509", "-req", "-in", csr, "-CA", paths["ca_crt"], "-CAkey", paths["ca_key"],
+             "-CAcreateserial", "-days", "365", "-extfile", ext, "-out", crt)
+
+
+def _openssl(*args: object) -> None:
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours is dead for our purposes.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _terminate(pid: int, grace_s: float = 10.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _alive(pid):
+        _reap(pid)
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    _reap(pid)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _log(message: str) -> None:
+    print(f"tasklease: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,164 @@
+"""The Task resource: pydantic models of its spec and status, the single source of truth.
+
+The CRD's OpenAPI schema (`crds/tasks.tasklease.dev.yaml`) is generated from these
+classes by `tasklease.crd`; a test fails when the checked-in file is stale. No I/O here.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP: Final = "tasklease.dev"
+VERSION: Final = "v1alpha1"
+PLURAL: Final = "tasks"
+KIND: Final = "Task"
+
+MAX_RESULT_BYTES: Final = 8192
+MAX_ERROR_CHARS: Final = 1024
+MAX_HISTORY: Final = 10
+DNS_LABEL: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class BackoffPolicy(str, enum.Enum):
+    EXPONENTIAL = "Exponential"
+    FIXED = "Fixed"
+
+
+class Backoff(_Model):
+    """How long a task waits before its next attempt after a failure or an expiry."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.maxSeconds >= self.initialSeconds",
+         "message": "backoff.maxSeconds must be at least backoff.initialSeconds"},
+    ]})
+
+    policy: BackoffPolicy = Field(
+        default=BackoffPolicy.EXPONENTIAL,
+        description="Exponential doubles the delay after each attempt (initialSeconds, 2x, 4x, ... up to "
+                    "maxSeconds); Fixed always waits initialSeconds.")
+    initial_seconds: int = Field(default=5, ge=0, le=3600, description="Delay before the second attempt.")
+    max_seconds: int = Field(default=300, ge=0, le=86400, description="Upper bound of any delay.")
+
+    def delay_after(self, attempt: int) -> int:
+        """Seconds to wait before the attempt that follows `attempt` (1-based)."""
+        if self.policy is BackoffPolicy.FIXED:
+            return min(self.initial_seconds, self.max_seconds)
+        return min(self.initial_seconds * 2 ** max(attempt - 1, 0), self.max_seconds)
+
+
+class TaskSpec(_Model):
+    """What to do, and the rules for its attempts."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.queue == oldSelf.queue", "message": "spec.queue is immutable"},
+        {"rule": "self.payload == oldSelf.payload", "message": "spec.payload is immutable"},
+        {"rule": "!oldSelf.cancel || self.cancel",
+         "message": "spec.cancel cannot be undone once set"},
+    ]})
+
+    queue: str = Field(
+        min_length=1, max_length=63, pattern=DNS_LABEL,
+        description="The queue agents take this task from: a DNS label (lowercase letters, digits, '-').")
+    payload: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"default": {}},
+        description="Free-form input handed to the agent as JSON.")
+    priority: int = Field(
+        default=0, ge=-1000, le=1000, description="Higher runs first; ties go to the oldest task.")
+    max_attempts: int = Field(
+        default=3, ge=1, le=100,
+        description="Claims allowed before the task is dead-lettered (phase Failed, reason DeadLettered).")
+    lease_duration_seconds: int = Field(
+        default=30, ge=5, le=3600,
+        description="How long a holder may go without renewing before its attempt is expired.")
+    backoff: Backoff = Field(default_factory=Backoff,
+                             json_schema_extra={"default": Backoff().model_dump(mode="json", by_alias=True)},
+                             description="Delay between attempts.")
+    deadline: datetime | None = Field(
+        default=None,
+        description="RFC 3339 time after which no new attempt starts; an unfinished task then fails with "
+                    "reason DeadlineExceeded.")
+    cancel: bool = Field(
+        default=False,
+        description="Set to true to cancel: the current holder loses its lease and the task ends Cancelled.")
+
+
+class Phase(str, enum.Enum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    CANCELLED = "Cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.CANCELLED)
+
+
+class Condition(_Model):
+    """A standard Kubernetes condition (metav1.Condition)."""
+
+    type: str = Field(max_length=316)
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str = Field(max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: datetime
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class Attempt(_Model):
+    """One attempt's story, newest last in status.history."""
+
+    attempt: int = Field(ge=1)
+    holder: str = Field(max_length=512)
+    claimed_at: datetime | None = None
+    ended_at: datetime | None = None
+    outcome: str = Field(
+        default="", max_length=64,
+        description="Succeeded, Failed, Expired, Released, Requeued or Cancelled; empty while running.")
+    message: str = Field(default="", max_length=MAX_ERROR_CHARS)
+
+
+class TaskStatus(_Model):
+    """A projection of the task's Lease, written by the operator; the Lease is the truth."""
+
+    phase: Phase = Field(default=Phase.PENDING, description="Pending, Running, Succeeded, Failed or Cancelled.")
+    reason: str = Field(default="", max_length=64,
+                        description="Why the phase is what it is, e.g. DeadLettered, Expired, BackingOff.")
+    holder: str = Field(default="", max_length=512, description="The agent holding the lease: <pod>/<instance>.")
+    attempt: int = Field(default=0, ge=0, description="The current attempt: the fencing epoch of its claim.")
+    claimed_at: datetime | None = None
+    renewed_at: datetime | None = None
+    completed_at: datetime | None = None
+    not_before: datetime | None = Field(default=None, description="No attempt starts before this time (backoff).")
+    result: str = Field(default="", max_length=MAX_RESULT_BYTES, description="What the last holder reported.")
+    last_error: str = Field(default="", max_length=MAX_ERROR_CHARS)
+    conditions: list[Condition] = Field(default_factory=list)
+    history: list[Attempt] = Field(default_factory=list, max_length=MAX_HISTORY)
+    observed_generation: int = Field(default=0, ge=0)
+
+
+PRINTER_COLUMNS: Final = [
+    {"name": "Queue", "type": "string", "jsonPath": ".spec.queue"},
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Holder", "type": "string", "jsonPath": ".status.holder"},
+    {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority", "priority": 1},
+    {"name": "Max", "type": "integer", "jsonPath": ".spec.maxAttempts", "priority": 1},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
+    {"name": "Error", "type": "string", "jsonPath": ".status.lastError", "priority": 1},
+]
+
+# Server-side field selectors: agents watch only their queue.
+SELECTABLE_FIELDS: Final = [{"jsonPath": ".spec.queue"}, {"jsonPath": ".status.phase"}]

@@ -1,0 +1,140 @@
+"""`tasklease run`: flock for a cluster. Claim a task, run a command for it, report the outcome.
+
+The command gets TASKLEASE_TASK, TASKLEASE_NAMESPACE, TASKLEASE_EPOCH, TASKLEASE_HOLDER and
+TASKLEASE_PAYLOAD (the payload also arrives on stdin). While it runs the lease is renewed;
+the moment ownership is lost the command gets SIGTERM, then SIGKILL after a grace period.
+Exit 0 completes the task with the tail of its stdout as the result; any other exit fails
+the attempt (retried with backoff until maxAttempts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+from tasklease import errors, models
+from tasklease.agent import Agent, ClaimedTask
+
+log = logging.getLogger(__name__)
+
+EXIT_COMMAND_FAILED = 11
+EXIT_STOPPED = 143
+
+
+class Runner:
+    def __init__(self, agent: Agent, *, queue: str, argv: Sequence[str], grace_s: float = 10.0) -> None:
+        self.agent = agent
+        self.queue = queue
+        self.argv = list(argv)
+        self.grace_s = grace_s
+        self.stopping = threading.Event()
+        self._child: subprocess.Popen[bytes] | None = None
+
+    def run(self, *, loop: bool, wait_s: float | None) -> int:
+        """One task (or, with `loop`, one after another until stopped or idle for `wait_s`)."""
+        self._install_signal_handlers()
+        self.agent.start()
+        code = 0
+        while not self.stopping.is_set():
+            try:
+                task = self.agent.claim(self.queue, timeout=wait_s if wait_s is not None else (None if loop else 0),
+                                        interrupt=False)
+            except errors.NothingToClaim:
+                if loop and code == 0:
+                    return 0
+                raise
+            code = self._run_one(task)
+            if not loop:
+                return code
+        return EXIT_STOPPED if self.stopping.is_set() else code
+
+    def _run_one(self, task: ClaimedTask) -> int:
+        payload = json.dumps(task.payload, separators=(",", ":"))
+        env = {**os.environ, "TASKLEASE_TASK": task.name, "TASKLEASE_NAMESPACE": task.namespace,
+               "TASKLEASE_EPOCH": str(task.epoch), "TASKLEASE_HOLDER": task.holder, "TASKLEASE_PAYLOAD": payload}
+        log.info("running %s for %s/%s (attempt %d)", self.argv[0], task.namespace, task.name, task.epoch)
+        try:
+            child = subprocess.Popen(self.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     start_new_session=True)
+        except OSError as exc:
+            task.fail(f"cannot start {self.argv[0]}: {exc}", retryable=False)
+            raise errors.Invalid(f"cannot start {self.argv[0]}: {exc.strerror}") from None
+        self._child = child
+        task.on_lost.append(lambda _t: self._terminate(child))
+        tail = _Tail(models.MAX_RESULT_BYTES)
+        reader = threading.Thread(target=tail.pump, args=(child.stdout,), daemon=True)
+        reader.start()
+        try:
+            assert child.stdin is not None
+            child.stdin.write(payload.encode())
+            child.stdin.close()
+        except BrokenPipeError:
+            pass  # the command does not read stdin: fine
+        code = child.wait()
+        reader.join()
+        self._child = None
+        if task.lost.is_set():
+            raise errors.LostLease(f"lost {task.namespace}/{task.name} (attempt {task.epoch}): {task.lost_reason}; "
+                                   f"the command was stopped")
+        if self.stopping.is_set():
+            task.release(f"agent {task.holder} was stopped")
+            return EXIT_STOPPED
+        if code == 0:
+            task.complete(tail.text())
+            log.info("completed %s/%s (attempt %d)", task.namespace, task.name, task.epoch)
+            return 0
+        task.fail(f"{self.argv[0]} exited with code {code}", retryable=True)
+        log.warning("%s/%s attempt %d failed: exit code %d", task.namespace, task.name, task.epoch, code)
+        return EXIT_COMMAND_FAILED
+
+    def _terminate(self, child: subprocess.Popen[bytes]) -> None:
+        """SIGTERM to the command's process group, SIGKILL after the grace period."""
+        def kill() -> None:
+            _signal_group(child, signal.SIGTERM)
+            try:
+                child.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(child, signal.SIGKILL)
+        threading.Thread(target=kill, daemon=True).start()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def stop(signum: int, frame: FrameType | None) -> None:
+            self.stopping.set()
+            if self._child is not None:
+                self._terminate(self._child)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+
+class _Tail:
+    """Echo a stream to our stdout and keep its last `limit` characters."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buffer = b""
+
+    def pump(self, stream: object) -> None:
+        for chunk in iter(lambda: stream.read1(65536), b""):  # type: ignore[attr-defined]
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            self.buffer = (self.buffer + chunk)[-self.limit * 4:]
+
+    def text(self) -> str:
+        return self.buffer.decode(errors="replace")[-self.limit:].rstrip("\n")
+
+
+def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,93 @@
+"""List-then-watch into a local cache, resuming where it left off (a small client-go Reflector).
+
+A restarted watch asks for the last resourceVersion it saw, so nothing that happened
+while it reconnected is missed; when the server no longer has that version (410 Gone)
+it lists again and reports what disappeared meanwhile as deletions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from tasklease import errors
+from tasklease.kube import JSON, Kube, Resource
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, JSON], None]
+_RETRY_S = 1.0
+
+
+class Reflector:
+    """Keeps `store` (name → object) equal to the selected objects; calls `listener(type, obj)`."""
+
+    def __init__(self, kube: Kube, resource: Resource, *, namespace: str, listener: Listener,
+                 label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300) -> None:
+        self.kube = kube
+        self.resource = resource
+        self.namespace = namespace
+        self.listener = listener
+        self.label_selector = label_selector
+        self.field_selector = field_selector
+        self.watch_timeout_s = watch_timeout_s
+        self.store: dict[str, JSON] = {}
+        self.synced = threading.Event()
+        self._stop = threading.Event()
+        self._rv = ""
+        self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._rv:
+                    self._relist()
+                self._watch()
+            except errors.Gone:
+                self._rv = ""
+            except (errors.Unreachable, errors.ServerError) as exc:
+                log.warning("watch of %s interrupted (%s); resuming", self.resource.plural, exc)
+                self._stop.wait(_RETRY_S)
+            except errors.TaskleaseError as exc:
+                log.error("watch of %s failed: %s", self.resource.plural, exc)
+                self._stop.wait(_RETRY_S)
+
+    def _relist(self) -> None:
+        listed = self.kube.list(self.resource, namespace=self.namespace, label_selector=self.label_selector,
+                                field_selector=self.field_selector)
+        fresh = {o["metadata"]["name"]: o for o in listed.get("items", [])}
+        for name in set(self.store) - set(fresh):
+            self.listener("DELETED", self.store.pop(name))
+        for name, obj in fresh.items():
+            self.store[name] = obj
+            self.listener("ADDED", obj)
+        self._rv = listed["metadata"]["resourceVersion"]
+        self.synced.set()
+
+    def _watch(self) -> None:
+        for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
+                                     label_selector=self.label_selector, field_selector=self.field_selector,
+                                     timeout_s=self.watch_timeout_s):
+            if self._stop.is_set():
+                return
+            kind, obj = event["type"], event["object"]
+            if kind == "ERROR":
+                if obj.get("code") == 410:
+                    raise errors.Gone(obj.get("message", "too old resource version"))
+                raise errors.ServerError(obj.get("message", "watch error"))
+            self._rv = obj["metadata"]["resourceVersion"]
+            if kind == "BOOKMARK":
+                continue
+            name = obj["metadata"]["name"]
+            if kind == "DELETED":
+                self.store.pop(name, None)
+            else:
+                self.store[name] = obj
+            self.listener(kind, obj)

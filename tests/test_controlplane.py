@@ -1,0 +1,118 @@
+"""The foundation: a real API server with the behaviour the protocol relies on."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import Cluster, wait_for
+from tasklease import errors
+from tasklease.kube import LEASES, PODS, Kube, Resource
+from tasklease.localcluster import binaries
+
+CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+CONFIGMAPS = Resource("", "v1", "configmaps")
+SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
+ROLES = Resource("rbac.authorization.k8s.io", "v1", "roles")
+ROLEBINDINGS = Resource("rbac.authorization.k8s.io", "v1", "rolebindings")
+
+
+def _lease(name: str, holder: str) -> dict[str, Any]:
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 10}}
+
+
+def test_control_plane_reports_the_pinned_version(cluster: Cluster) -> None:
+    version = cluster.kube().request("GET", "/version")
+    assert version["gitVersion"].startswith("v1.")
+    if cluster.version is not None:
+        assert version["gitVersion"] == binaries.KUBERNETES_VERSION
+    assert cluster.kube().request("GET", "/apis/coordination.k8s.io/v1")["groupVersion"] == "coordination.k8s.io/v1"
+
+
+def test_task_crd_is_installed_and_established(cluster: Cluster) -> None:
+    crd = cluster.kube().request("GET", CRDS.path(None, "tasks.tasklease.dev"))
+    conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+    assert conditions["Established"] == "True"
+    assert cluster.kube().request("GET", "/apis/tasklease.dev/v1alpha1")["groupVersion"] == "tasklease.dev/v1alpha1"
+
+
+def test_ten_concurrent_creates_of_one_lease_get_one_201_and_nine_409s(kube: Kube) -> None:
+    barrier = threading.Barrier(10)
+
+    def create(i: int) -> str:
+        barrier.wait()
+        try:
+            kube.create(LEASES, _lease("contended", f"client-{i}"))
+            return "created"
+        except errors.Conflict:
+            return "conflict"
+
+    with ThreadPoolExecutor(10) as pool:
+        outcomes = list(pool.map(create, range(10)))
+    assert outcomes.count("created") == 1
+    assert outcomes.count("conflict") == 9
+
+
+def test_put_with_a_stale_resource_version_gets_409(kube: Kube) -> None:
+    first = kube.create(LEASES, _lease("stale", "a"))
+    first["spec"]["holderIdentity"] = "b"
+    kube.replace(LEASES, first)  # moves the resourceVersion on
+    first["spec"]["holderIdentity"] = "c"  # still carries the old resourceVersion
+    with pytest.raises(errors.Conflict):
+        kube.replace(LEASES, first)
+    assert kube.get(LEASES, "stale")["spec"]["holderIdentity"] == "b"
+
+
+def test_deleting_an_owner_removes_its_owned_lease(kube: Kube) -> None:
+    owner = kube.create(CONFIGMAPS, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owner"}})
+    body = _lease("owned", "a")
+    body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
+                                            "uid": owner["metadata"]["uid"]}]
+    kube.create(LEASES, body)
+    kube.delete(CONFIGMAPS, "owner")
+    wait_for(lambda: kube.get_or_none(LEASES, "owned") is None, timeout=60,
+             message="the garbage collector to delete the owned Lease")
+
+
+def test_pod_bound_token_authenticates_and_rbac_refuses_what_is_not_granted(
+        cluster: Cluster, kube: Kube, namespace: str, tmp_path: Any) -> None:
+    kube.create(SERVICEACCOUNTS, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "agent"}})
+    kube.create(ROLES, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "leases"},
+                        "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                   "verbs": ["get", "list", "create"]}]})
+    kube.create(ROLEBINDINGS, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "agent-leases"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "leases"},
+        "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": namespace}]})
+    pod = kube.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-0"},
+                             "spec": {"serviceAccountName": "agent", "automountServiceAccountToken": False,
+                                      "containers": [{"name": "agent", "image": "agent:dev"}]}})
+    token = kube.request("POST", SERVICEACCOUNTS.path(namespace, "agent", "token"), body={
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 3600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "agent-0",
+                                                              "uid": pod["metadata"]["uid"]}}})["status"]["token"]
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    config["users"] = [{"name": "agent", "user": {"token": token}}]
+    config["contexts"][0]["context"].update(user="agent", namespace=namespace)
+    path = tmp_path / "agent.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    agent = Kube.connect(kubeconfig=str(path))
+
+    review = agent.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                           body={"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+    user = review["status"]["userInfo"]
+    assert user["username"] == f"system:serviceaccount:{namespace}:agent"
+    assert user["extra"]["authentication.kubernetes.io/pod-name"] == ["agent-0"]
+
+    agent.create(LEASES, _lease("granted", "agent-0"))  # granted: create
+    with pytest.raises(errors.Forbidden):
+        agent.delete(LEASES, "granted")  # not granted: delete
+    with pytest.raises(errors.Forbidden):
+        agent.list(CONFIGMAPS)  # not granted at all
+    assert json.dumps(kube.get(LEASES, "granted")["spec"]["holderIdentity"]) == '"agent-0"'
