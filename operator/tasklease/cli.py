@@ -199,7 +199,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
         print(f"  #{a.attempt} {a.holder}  {a.outcome or 'running'}  {a.message}")
     events = kube.list(EVENTS, field_selector=f"involvedObject.name={args.name},involvedObject.kind=Task")["items"]
     print("Events:")
-    for e in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or ""):
+    for e in sorted(events, key=lambda e: int(e["metadata"]["resourceVersion"])):
         print(f"  {e.get('type', '')}  {e.get('reason', '')}  {e.get('message', '')}")
     return 0
 

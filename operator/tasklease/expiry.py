@@ -1,0 +1,101 @@
+"""When is a held lease expired? Decided on the operator's own monotonic clock. No I/O here.
+
+Like client-go's leader election and the node lifecycle controller, the operator never
+compares a remote `renewTime` with its local clock (clock skew, clock jumps: kubernetes
+issues 67651, 125761). It remembers when it first saw each resourceVersion of a held
+Lease; the lease is expired when that version has stood unchanged for
+`leaseDurationSeconds + grace` seconds as measured here. A restarted operator has seen
+nothing yet, so every held lease gets a full duration again.
+
+`DeadlineQueue` is the one timer of the operator: a heap of (when, key) fed by watch
+events, instead of one asyncio task or kopf timer per object.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+Monotonic = Callable[[], float]
+DEFAULT_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Observation:
+    resource_version: str
+    first_seen: float  # on the operator's monotonic clock
+    duration_s: float
+
+
+class LeaseClock:
+    """Per held lease: which resourceVersion we saw, and since when."""
+
+    def __init__(self, monotonic: Monotonic, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.monotonic = monotonic
+        self.grace_s = grace_s
+        self._seen: dict[Hashable, Observation] = {}
+
+    def observe(self, key: Hashable, resource_version: str, duration_s: float) -> Observation:
+        """Record a held lease's version; a version seen before keeps its first sighting."""
+        seen = self._seen.get(key)
+        if seen is None or seen.resource_version != resource_version:
+            seen = Observation(resource_version, self.monotonic(), duration_s)
+            self._seen[key] = seen
+        return seen
+
+    def forget(self, key: Hashable) -> None:
+        self._seen.pop(key, None)
+
+    def expires_at(self, key: Hashable) -> float | None:
+        seen = self._seen.get(key)
+        return None if seen is None else seen.first_seen + seen.duration_s + self.grace_s
+
+    def expired(self, key: Hashable, resource_version: str) -> bool:
+        seen = self._seen.get(key)
+        if seen is None or seen.resource_version != resource_version:
+            return False
+        return self.monotonic() >= seen.first_seen + seen.duration_s + self.grace_s
+
+    def silent_for(self, key: Hashable) -> float:
+        seen = self._seen.get(key)
+        return 0.0 if seen is None else self.monotonic() - seen.first_seen
+
+    def restart_all(self) -> None:
+        """Give every held lease a full duration from now (a new leader knows nothing)."""
+        now = self.monotonic()
+        self._seen = {k: Observation(o.resource_version, now, o.duration_s) for k, o in self._seen.items()}
+
+
+class DeadlineQueue:
+    """Keys to look at again at a given monotonic time. Stale entries are harmless: the
+    reconciler decides from current state, so a wake-up that finds nothing to do is a no-op."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._counter = itertools.count()
+        self._scheduled: dict[Hashable, float] = {}
+
+    def schedule(self, key: Hashable, when: float) -> None:
+        if self._scheduled.get(key) == when:
+            return
+        self._scheduled[key] = when
+        heapq.heappush(self._heap, (when, next(self._counter), key))
+
+    def pop_due(self, now: float) -> list[Hashable]:
+        due = []
+        while self._heap and self._heap[0][0] <= now:
+            when, _, key = heapq.heappop(self._heap)
+            if self._scheduled.get(key) == when:
+                del self._scheduled[key]
+                due.append(key)
+        return due
+
+    def next_at(self) -> float | None:
+        while self._heap and self._scheduled.get(self._heap[0][2]) != self._heap[0][0]:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._scheduled)

@@ -1,0 +1,139 @@
+"""Leader election on a coordination.k8s.io Lease, the client-go algorithm in Python.
+
+Why not kopf peering: peering pauses lower-priority replicas but with equal priorities
+pauses them all, and it is not a lock. Why a Lease: it is what kube-controller-manager
+uses, and the same observed-time rule as task expiry applies: a candidate takes over
+when the leader's record has not changed for `lease_duration_s` *as observed locally*,
+never by comparing the remote renewTime with its own clock.
+
+Leadership only decides who acts; safety never depends on it. Every write the operator
+makes is conditional, so two replicas that both believe they lead (a partition, a GC
+pause) can waste work but cannot break an invariant.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from tasklease import errors
+from tasklease.kube import JSON, LEASES, Kube
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ElectionConfig:
+    namespace: str
+    name: str = "tasklease-operator"
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        # The same relations client-go checks: a leader gives up before anyone may take over.
+        if not self.lease_duration_s > self.renew_deadline_s > self.retry_period_s * 1.2 > 0:
+            raise ValueError("need lease_duration > renew_deadline > 1.2 x retry_period > 0")
+
+
+class LeaderElector:
+    def __init__(self, kube: Kube, config: ElectionConfig, *, identity: str,
+                 on_started: Callable[[], None], on_stopped: Callable[[], None],
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.kube = kube
+        self.config = config
+        self.identity = identity
+        self.on_started = on_started
+        self.on_stopped = on_stopped
+        self.monotonic = monotonic
+        self.leading = threading.Event()
+        self._stop = threading.Event()
+        self._observed_rv = ""
+        self._observed_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        last_renew = 0.0
+        while not self._stop.is_set():
+            acquired = self._try_acquire_or_renew()
+            now = self.monotonic()
+            if acquired:
+                last_renew = now
+                if not self.leading.is_set():
+                    log.info("became the leader (%s/%s as %s)", self.config.namespace, self.config.name, self.identity)
+                    self.leading.set()
+                    self.on_started()
+            elif self.leading.is_set() and now - last_renew > self.config.renew_deadline_s:
+                log.warning("lost leadership: no renewal for %.0fs", self.config.renew_deadline_s)
+                self.leading.clear()
+                self.on_stopped()
+            self._stop.wait(self.config.retry_period_s)
+        if self.leading.is_set():
+            self._release()
+
+    def _try_acquire_or_renew(self) -> bool:
+        """One step, numbered like client-go's tryAcquireOrRenew."""
+        now = _now()
+        try:
+            # 1. Obtain the record, or create it.
+            current = self.kube.get_or_none(LEASES, self.config.name, namespace=self.config.namespace)
+            if current is None:
+                self.kube.create(LEASES, self._record(None, now, transitions=0), namespace=self.config.namespace)
+                return True
+            spec = current.get("spec", {})
+            holder = spec.get("holderIdentity") or ""
+            # 2. Note when the record last changed, on our own clock.
+            rv = current["metadata"]["resourceVersion"]
+            if rv != self._observed_rv:
+                self._observed_rv, self._observed_at = rv, self.monotonic()
+            # 3. Someone else holds it and has renewed within the lease duration: wait.
+            if holder and holder != self.identity and \
+                    self.monotonic() < self._observed_at + self.config.lease_duration_s:
+                return False
+            # 4. Ours, free or expired: a conditional update.
+            transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == self.identity else 1)
+            updated = self.kube.replace(LEASES, self._record(current, now, transitions=transitions))
+            self._observed_rv, self._observed_at = updated["metadata"]["resourceVersion"], self.monotonic()
+            return True
+        except errors.Conflict:
+            return False
+        except errors.TaskleaseError as exc:
+            log.warning("leader election: %s", exc)
+            return False
+
+    def _record(self, current: JSON | None, now: str, *, transitions: int) -> JSON:
+        spec = dict((current or {}).get("spec") or {})
+        if spec.get("holderIdentity") != self.identity:
+            spec["acquireTime"] = now
+        spec.update(holderIdentity=self.identity, leaseDurationSeconds=int(self.config.lease_duration_s),
+                    renewTime=now, leaseTransitions=transitions)
+        meta = {"name": self.config.name, "namespace": self.config.namespace}
+        if current is not None:
+            meta["resourceVersion"] = current["metadata"]["resourceVersion"]
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+
+    def _release(self) -> None:
+        """On a clean shutdown hand over at once instead of after a lease duration."""
+        try:
+            current = self.kube.get(LEASES, self.config.name, namespace=self.config.namespace)
+            if current.get("spec", {}).get("holderIdentity") == self.identity:
+                current["spec"]["holderIdentity"] = None
+                self.kube.replace(LEASES, current)
+        except errors.TaskleaseError as exc:
+            log.info("leader election: release skipped (%s)", exc)
+        self.leading.clear()
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

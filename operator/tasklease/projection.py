@@ -1,0 +1,110 @@
+"""Task.status as a pure function of the Task and its Lease, and the Events between two statuses.
+
+The Lease is the truth; the status is what `kubectl get tasks` shows of it. Computing it
+from scratch every time makes the operator's writes idempotent: the same inputs always
+give the same status, and an operator that restarts recomputes instead of remembering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from tasklease import lease, models
+from tasklease.lease import LeaseRecord
+from tasklease.models import Condition, Phase, TaskStatus
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One Event to post on the Task."""
+
+    type: str  # Normal | Warning
+    reason: str  # Claimed, Expired, Requeued, Succeeded, Failed, DeadLettered, Cancelled, ...
+    message: str
+
+
+def project(task: dict[str, Any], rec: LeaseRecord | None, *, now: datetime) -> TaskStatus:
+    old = models.TaskStatus.model_validate(task.get("status") or {})
+    generation = int(task["metadata"].get("generation") or 0)
+    if rec is None or rec.owner_uid != task["metadata"]["uid"]:
+        status = TaskStatus(phase=Phase.PENDING, reason="Waiting", attempt=old.attempt, history=old.history)
+    else:
+        status = _from_lease(rec)
+    status.observed_generation = generation
+    status.conditions = _conditions(status, old.conditions, generation=generation, now=now)
+    return status
+
+
+def _from_lease(rec: LeaseRecord) -> TaskStatus:
+    last = rec.history[-1] if rec.history else None
+    status = TaskStatus(attempt=rec.epoch, history=list(rec.history), last_error=rec.error,
+                        claimed_at=rec.acquired_at if rec.epoch else None, not_before=rec.not_before)
+    if rec.state == lease.HELD:
+        status.phase, status.reason, status.holder = Phase.RUNNING, "Held", rec.holder
+        status.renewed_at = rec.renewed_at
+    elif rec.state == lease.CLOSED:
+        status.phase, status.reason = Phase(rec.outcome), rec.reason
+        status.result, status.completed_at = rec.result, rec.renewed_at
+    else:
+        status.phase = Phase.PENDING
+        status.reason = "BackingOff" if rec.not_before else (last.outcome if last and last.outcome else "Waiting")
+    return status
+
+
+def _conditions(status: TaskStatus, old: list[Condition], *, generation: int, now: datetime) -> list[Condition]:
+    """Two standard conditions: Held (an agent owns it now) and Finished (terminal)."""
+    wanted = {
+        "Held": (status.phase is Phase.RUNNING, status.reason if status.phase is Phase.RUNNING else "NotHeld",
+                 f"held by {status.holder} (attempt {status.attempt})" if status.holder else ""),
+        "Finished": (status.phase.terminal, status.reason if status.phase.terminal else "NotFinished",
+                     status.last_error if status.phase is Phase.FAILED else ""),
+    }
+    previous = {c.type: c for c in old}
+    out = []
+    for ctype, (true, reason, message) in wanted.items():
+        value = "True" if true else "False"
+        before = previous.get(ctype)
+        changed = before is None or before.status != value
+        out.append(Condition(type=ctype, status=value, reason=reason or ctype, message=message,
+                             last_transition_time=now if changed or before is None else before.last_transition_time,
+                             observed_generation=generation))
+    return out
+
+
+def same(a: TaskStatus, b: TaskStatus) -> bool:
+    """Equal for writing purposes: condition times do not count when nothing else moved."""
+    def strip(s: TaskStatus) -> dict[str, Any]:
+        d = s.model_dump(mode="json")
+        for c in d["conditions"]:
+            c.pop("last_transition_time", None)
+        return d
+    return strip(a) == strip(b)
+
+
+def transitions(old: TaskStatus, new: TaskStatus) -> list[Transition]:
+    """The Events that explain how `old` became `new`, oldest first: attempt-level ones
+    (Claimed, Expired, Failed, Released) from the history, task-level ones from the phase."""
+    before = {a.attempt: a for a in old.history}
+    out: list[Transition] = []
+    for a in new.history:
+        seen = before.get(a.attempt)
+        if seen is None:
+            out.append(Transition("Normal", "Claimed", f"attempt {a.attempt} claimed by {a.holder}"))
+        if a.outcome in _ATTEMPT_EVENTS and not (seen and seen.outcome):
+            out.append(Transition("Warning" if a.outcome != "Released" else "Normal", a.outcome,
+                                  f"attempt {a.attempt} of {a.holder}: {a.message or a.outcome.lower()}"))
+    moved = new.phase is not old.phase or new.attempt != old.attempt
+    if new.phase is Phase.PENDING and new.attempt and moved:
+        when = f"after {new.not_before.isoformat()}" if new.not_before else "now"
+        out.append(Transition("Normal", "Requeued", f"attempt {new.attempt + 1} may start {when}"))
+    if new.phase.terminal and not old.phase.terminal:
+        reason = "DeadLettered" if new.reason == "DeadLettered" else new.phase.value
+        detail = f": {new.last_error}" if new.phase is Phase.FAILED and new.last_error else ""
+        out.append(Transition("Warning" if new.phase is Phase.FAILED else "Normal", reason,
+                              f"task {new.phase.value.lower()} after {new.attempt} attempt(s) ({new.reason}){detail}"))
+    return out
+
+
+_ATTEMPT_EVENTS = ("Expired", "Failed", "Released")

@@ -1,0 +1,303 @@
+"""The operator's reactions, in one place: from watched Tasks, Leases and Pods to writes.
+
+Watch events (from kopf, in `controller`) only update the in-memory picture and queue
+the task's key; worker threads reconcile keys one at a time per key:
+
+1. carry out what the Task asks: cancel, or fail it at its deadline;
+2. expire a held lease whose holder went silent (observed time, `expiry.LeaseClock`) or
+   whose Pod is gone: free it for the next attempt with backoff, or dead-letter it;
+3. project the Lease into Task.status (conditional PUT), then post the Events and count
+   the metrics of what changed;
+4. schedule the key's next look in the one `DeadlineQueue`.
+
+Every write is conditional on what was observed; a 409 means the world moved and a
+newer watch event will bring the key back. Standby replicas keep the picture current but
+do not write until they lead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from tasklease import errors, lease, metrics, models, projection
+from tasklease.expiry import DeadlineQueue, LeaseClock, Monotonic
+from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
+from tasklease.lease import LeaseRecord, Protocol, TaskView
+from tasklease.models import Phase
+
+log = logging.getLogger("tasklease.operator")
+
+Key = tuple[str, str]  # (namespace, name)
+_TERMINATED_POD_PHASES = ("Succeeded", "Failed")
+_MAX_WAIT_S = 5.0
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, *, grace_s: float, workers: int = 2, monotonic: Monotonic = time.monotonic,
+                 clock: Callable[[], datetime] = lease.now_utc, component: str = "tasklease-operator") -> None:
+        self.kube = kube
+        self.protocol = Protocol(kube, clock=clock)
+        self.clock = clock
+        self.monotonic = monotonic
+        self.component = component
+        self.workers = workers
+        self.active = threading.Event()
+        self._tasks: dict[Key, JSON] = {}
+        self._leases: dict[Key, LeaseRecord] = {}
+        self._pods_alive: dict[Key, bool] = {}
+        self._lease_clock = LeaseClock(monotonic, grace_s=grace_s)
+        self._deadlines = DeadlineQueue()
+        self._pending: OrderedDict[Key, None] = OrderedDict()
+        self._inflight: set[Key] = set()
+        self._phases: dict[Key, tuple[str, str]] = {}
+        self._cond = threading.Condition()
+
+    # -- intake: called from watch handlers; quick, no I/O --------------------------------
+
+    def on_task(self, kind: str, obj: JSON) -> None:
+        key = _key(obj)
+        with self._cond:
+            if kind == "DELETED":
+                self._tasks.pop(key, None)
+                self._set_phase(key, None)
+            else:
+                self._tasks[key] = obj
+            self._enqueue(key)
+
+    def on_lease(self, kind: str, obj: JSON) -> None:
+        rec = lease.decode(obj)
+        key = (rec.namespace, rec.name)
+        with self._cond:
+            if kind == "DELETED":
+                self._leases.pop(key, None)
+                self._lease_clock.forget(key)
+            else:
+                self._leases[key] = rec
+                if rec.state == lease.HELD:
+                    # The moment we first see this version is what expiry is measured from.
+                    self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
+                else:
+                    self._lease_clock.forget(key)
+            self._enqueue(key)
+
+    def on_pod(self, kind: str, obj: JSON) -> None:
+        meta = obj["metadata"]
+        pod = (meta["namespace"], meta["name"])
+        alive = kind != "DELETED" and (obj.get("status") or {}).get("phase") not in _TERMINATED_POD_PHASES
+        with self._cond:
+            if self._pods_alive.get(pod) == alive:
+                return
+            self._pods_alive[pod] = alive
+            if not alive:
+                for key, rec in self._leases.items():
+                    if key[0] == pod[0] and rec.state == lease.HELD and rec.holder_pod == pod[1]:
+                        self._enqueue(key)
+
+    def activate(self) -> None:
+        """Start acting (we lead): every held lease gets a full duration from now."""
+        with self._cond:
+            self._lease_clock.restart_all()
+            self.active.set()
+            metrics.LEADER.set(1)
+            for key in set(self._tasks) | set(self._leases):
+                self._enqueue(key)
+
+    def deactivate(self) -> None:
+        self.active.clear()
+        metrics.LEADER.set(0)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        threads = [threading.Thread(target=self._work, args=(stop,), name=f"reconcile-{i}", daemon=True)
+                   for i in range(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _work(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            key = self._take()
+            if key is None:
+                continue
+            try:
+                if self.active.is_set():
+                    self.reconcile(key)
+            except errors.Conflict:
+                self._enqueue_locked(key)
+            except errors.TaskleaseError as exc:
+                log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
+                with self._cond:
+                    self._deadlines.schedule(key, self.monotonic() + 1.0)
+            except Exception:  # noqa: BLE001 - a bug must not stop the other tasks
+                log.exception("task %s/%s: reconcile failed", *key)
+            finally:
+                with self._cond:
+                    self._inflight.discard(key)
+                    self._cond.notify_all()
+
+    def _take(self) -> Key | None:
+        with self._cond:
+            for due in self._deadlines.pop_due(self.monotonic()):
+                self._pending[due] = None
+            for key in self._pending:
+                if key not in self._inflight:
+                    del self._pending[key]
+                    self._inflight.add(key)
+                    metrics.PENDING_WORK.set(len(self._pending))
+                    return key
+            nxt = self._deadlines.next_at()
+            wait = _MAX_WAIT_S if nxt is None else min(max(nxt - self.monotonic(), 0.0), _MAX_WAIT_S)
+            self._cond.wait(wait)
+            return None
+
+    def _enqueue(self, key: Key) -> None:
+        """Caller holds the lock."""
+        self._pending[key] = None
+        self._cond.notify_all()
+
+    def _enqueue_locked(self, key: Key) -> None:
+        with self._cond:
+            self._enqueue(key)
+
+    # -- one key -------------------------------------------------------------------------------
+
+    def reconcile(self, key: Key) -> None:
+        with self._cond:
+            task, rec = self._tasks.get(key), self._leases.get(key)
+        if task is None:
+            if rec is not None:
+                self._remove_orphan(rec)
+            return
+        view = TaskView.of(task)
+        rec = self._act(view, rec)
+        self._project(key, task, rec)
+        self._schedule(key, view, rec)
+
+    def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
+        """Steps 1 and 2: at most one protocol write; returns the Lease as it now is."""
+        if rec is not None and (rec.state == lease.CLOSED or rec.owner_uid != view.uid):
+            return rec
+        key = (view.namespace, view.name)
+        if view.spec.cancel:
+            return self._remember(self.protocol.close(view, rec, phase=Phase.CANCELLED, reason="Cancelled",
+                                                      message="cancelled on request (spec.cancel)"))
+        if view.spec.deadline is not None and self.clock() >= view.spec.deadline:
+            return self._remember(self.protocol.close(view, rec, phase=Phase.FAILED, reason="DeadlineExceeded",
+                                                      message=f"deadline {view.spec.deadline.isoformat()} passed"))
+        if rec is None or rec.state != lease.HELD:
+            return rec
+        with self._cond:
+            pod_gone = self._pods_alive.get((rec.namespace, rec.holder_pod)) is False
+            timed_out = self._lease_clock.expired(key, rec.resource_version)
+            silent = self._lease_clock.silent_for(key)
+        if not (pod_gone or timed_out):
+            return rec
+        cause = "pod-gone" if pod_gone else "timeout"
+        written = self.protocol.expire(view, rec)
+        metrics.EXPIRATIONS.labels(view.spec.queue, cause).inc()
+        metrics.TIME_TO_REQUEUE.labels(cause).observe(silent)
+        log.info("task %s/%s: expired attempt %d of %s (%s, silent %.1fs)", view.namespace, view.name, rec.epoch,
+                 rec.holder, cause, silent)
+        return self._remember(written)
+
+    def _project(self, key: Key, task: JSON, rec: LeaseRecord | None) -> None:
+        """Step 3: write the status if it changed, then tell people what happened."""
+        old = models.TaskStatus.model_validate(task.get("status") or {})
+        new = projection.project(task, rec, now=self.clock())
+        queue = task["spec"]["queue"]
+        with self._cond:
+            self._set_phase(key, (queue, new.phase.value))
+        if task.get("status") and projection.same(old, new):
+            return
+        body = {**task, "status": new.model_dump(mode="json", by_alias=True, exclude_none=True)}
+        try:
+            written = self.kube.replace(TASKS, body, sub="status")
+        except errors.Conflict:
+            metrics.STATUS_WRITES.labels("conflict").inc()
+            raise
+        metrics.STATUS_WRITES.labels("ok").inc()
+        with self._cond:
+            if key in self._tasks:
+                self._tasks[key] = written
+        for t in projection.transitions(old, new):
+            self._announce(written, t, queue)
+
+    def _announce(self, task: JSON, t: projection.Transition, queue: str) -> None:
+        meta = task["metadata"]
+        log.info("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
+        counter = {"Claimed": metrics.CLAIMS, "Requeued": metrics.REQUEUES, "DeadLettered": metrics.DEAD_LETTERS}
+        if t.reason in counter:
+            counter[t.reason].labels(queue).inc()
+        if t.reason in ("Succeeded", "Failed", "DeadLettered", "Cancelled") and t.message.startswith("task "):
+            metrics.COMPLETIONS.labels(queue, t.reason).inc()
+        now = self.clock().strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
+                               "name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"],
+                               "resourceVersion": meta["resourceVersion"]},
+            "reason": t.reason, "message": t.message[:1024], "type": t.type,
+            "source": {"component": self.component}, "reportingComponent": self.component,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.kube.create(EVENTS, event, namespace=meta["namespace"])
+        except errors.TaskleaseError as exc:
+            log.warning("could not post event %s on %s/%s: %s", t.reason, meta["namespace"], meta["name"], exc)
+
+    def _schedule(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> None:
+        """Step 4: when this key needs a look without any event."""
+        wakes = []
+        with self._cond:
+            if rec is not None and rec.state == lease.HELD:
+                at = self._lease_clock.expires_at(key)
+                if at is not None:
+                    wakes.append(at)
+            if view.spec.deadline is not None and (rec is None or rec.state != lease.CLOSED):
+                wakes.append(self.monotonic() + max((view.spec.deadline - self.clock()).total_seconds(), 0.0))
+            if wakes:
+                self._deadlines.schedule(key, min(wakes))
+
+    def _remember(self, rec: LeaseRecord) -> LeaseRecord:
+        with self._cond:
+            self._leases[(rec.namespace, rec.name)] = rec
+            if rec.state != lease.HELD:
+                self._lease_clock.forget((rec.namespace, rec.name))
+        return rec
+
+    def _remove_orphan(self, rec: LeaseRecord) -> None:
+        """A Lease whose Task is gone, or belongs to an older Task of the same name. The
+        garbage collector removes most; this covers a Lease that outlived it. Checked live:
+        our cache may simply not have seen the Task yet."""
+        live = self.kube.get_or_none(TASKS, rec.name, namespace=rec.namespace)
+        if live is not None and live["metadata"]["uid"] == rec.owner_uid:
+            return
+        try:
+            self.kube.delete(LEASES, rec.name, namespace=rec.namespace,
+                             preconditions={"uid": rec.raw["metadata"]["uid"], "resourceVersion": rec.resource_version})
+            log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
+        except errors.NotFound:
+            pass
+
+    def _set_phase(self, key: Key, value: tuple[str, str] | None) -> None:
+        """Caller holds the lock. Keeps the tasks-by-queue-and-phase gauge exact."""
+        before = self._phases.pop(key, None)
+        if before is not None:
+            metrics.TASKS.labels(*before).dec()
+        if value is not None:
+            self._phases[key] = value
+            metrics.TASKS.labels(*value).inc()
+
+
+def _key(obj: JSON) -> Key:
+    meta: dict[str, Any] = obj["metadata"]
+    return (meta["namespace"], meta["name"])
