@@ -6,8 +6,13 @@ and starts nothing; tests that read the local API server's audit log are skipped
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import subprocess
+import urllib.error
+import urllib.request
 import sys
 import time
 import uuid
@@ -17,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tasklease import errors
-from tasklease.kube import NAMESPACES, TASKS, Kube
+from tasklease.kube import NAMESPACES, TASKS, Kube, Resource
 from tasklease.localcluster import binaries
 from tasklease.localcluster.cluster import LocalCluster
 from tasklease.localcluster.crds import apply_crds
@@ -103,3 +109,156 @@ def make_task(kube: Kube, name: str, *, queue: str = "q", **spec: Any) -> dict[s
 
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+# -- identities: service accounts with the chart's RBAC ------------------------------------
+
+RELEASE = "tasklease-test"
+SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
+CLUSTERROLEBINDINGS = Resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings", namespaced=False)
+
+
+@pytest.fixture(scope="session")
+def chart_roles(cluster: Cluster) -> dict[str, str]:
+    """Render the Helm chart with the real helm and apply its ClusterRoles: the suite runs
+    the operator and agents with exactly the permissions the chart grants."""
+    rendered = subprocess.run([str(binaries.ensure_helm()), "template", RELEASE, str(ROOT / "helm" / "tasklease")],
+                              check=True, capture_output=True, text=True).stdout
+    roles = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ClusterRole"]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(roles))
+    return {"operator": f"{RELEASE}-operator", "agent": f"{RELEASE}-agent"}
+
+
+def service_account_kubeconfig(cluster: Cluster, namespace: str, name: str, cluster_role: str,
+                               directory: Path, *, pod: dict[str, Any] | None = None) -> Path:
+    """A kubeconfig holding a TokenRequest token of a new ServiceAccount bound to `cluster_role`
+    (bound to `pod` when given, as a projected token in that pod would be)."""
+    kube = cluster.kube(namespace)
+    if kube.get_or_none(SERVICEACCOUNTS, name) is None:
+        kube.create(SERVICEACCOUNTS, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
+    binding = f"{namespace}-{name}"
+    if kube.get_or_none(CLUSTERROLEBINDINGS, binding) is None:
+        kube.create(CLUSTERROLEBINDINGS, {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": binding},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]})
+    spec: dict[str, Any] = {"expirationSeconds": 7200}
+    if pod is not None:
+        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"],
+                                  "uid": pod["metadata"]["uid"]}
+    token = kube.request("POST", SERVICEACCOUNTS.path(namespace, name, "token"), body={
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})["status"]["token"]
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    config["users"] = [{"name": name, "user": {"token": token}}]
+    config["contexts"][0]["context"].update(user=name, namespace=namespace)
+    path = directory / f"{name}-{uuid.uuid4().hex[:6]}.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+class Process:
+    """A tasklease process (operator or agent) with its output in a file."""
+
+    def __init__(self, argv: list[str], *, log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> int:
+        self.kill(signal.SIGTERM)
+        try:
+            return self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            return self.proc.wait(5)
+        finally:
+            self._out.close()
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+
+def tasklease_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tasklease.cli", *args]
+
+
+class Operator(Process):
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        super().__init__(tasklease_cmd("operator", f"--kubeconfig={kubeconfig}", f"--watch-namespace={namespace}",
+                                       f"--leader-election-namespace={namespace}", f"--http-port={self.port}",
+                                       "--http-host=127.0.0.1", "--grace=1", *extra), log=log)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError:
+            return 0, ""
+
+    def wait_ready(self, role: str = "leader", timeout: float = 60) -> None:
+        wait_for(lambda: self.get("/readyz") == (200, f"ready {role}\n"), timeout=timeout,
+                 message=f"operator ready as {role}; log:\n{self.output()[-3000:]}")
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in self.get("/metrics")[1].splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@pytest.fixture
+def operator_factory(cluster: Cluster, namespace: str, chart_roles: dict[str, str],
+                     tmp_path: Path) -> Iterator[Callable[..., Operator]]:
+    """Start operators watching only this test's namespace, as the chart's operator ServiceAccount."""
+    kubeconfig = service_account_kubeconfig(cluster, namespace, "tasklease-operator", chart_roles["operator"], tmp_path)
+    started: list[Operator] = []
+
+    def start(*extra: str, ready_as: str | None = "leader") -> Operator:
+        op = Operator(kubeconfig, namespace, tmp_path / f"operator-{len(started)}.log", *extra)
+        started.append(op)
+        if ready_as:
+            op.wait_ready(ready_as)
+        return op
+
+    yield start
+    for op in started:
+        op.stop()
+
+
+@pytest.fixture
+def operator(operator_factory: Callable[..., Operator]) -> Operator:
+    return operator_factory("--no-leader-elect")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_audit(path: Path, *, namespace: str, resource: str | None = None) -> list[dict[str, Any]]:
+    """Audit events of one namespace, in the order the API server logged them."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            event = json.loads(line)
+            ref = event.get("objectRef") or {}
+            if ref.get("namespace") == namespace and (resource is None or ref.get("resource") == resource):
+                out.append(event)
+    return out

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
+_CATCH_UP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Agent:
     """Claims tasks for one identity. Thread-safe; one QueueView (two watches) per queue."""
 
     def __init__(self, kube: Kube, *, namespace: str | None = None, identity: Identity | None = None,
-                 best_of: int = 5, rng: random.Random | None = None) -> None:
+                 best_of: int = 32, rng: random.Random | None = None) -> None:
         self.kube = kube
         self.namespace = namespace or kube.namespace
         self.identity = identity or Identity.from_environment()
@@ -283,12 +284,22 @@ class Agent:
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
             since = view.generation()
-            claimed = self._try(view.candidates(lease.now_utc()), interrupt=interrupt, on_conflict=view.mark_lost)
+            lost: list[str] = []
+
+            def conflict(name: str) -> None:
+                lost.append(name)
+                view.mark_lost(name)
+
+            claimed = self._try(view.candidates(lease.now_utc()), interrupt=interrupt, on_conflict=conflict)
             if claimed is not None:
                 return claimed
             wait = 60.0
+            if lost:
+                # Every pick lost a race: our picture is behind. Let the watch catch up (the
+                # winners' writes are on their way) instead of spinning on stale candidates.
+                since, wait = view.generation(), _CATCH_UP_S
             if give_up is not None:
-                wait = give_up - time.monotonic()
+                wait = min(wait, give_up - time.monotonic())
                 if wait <= 0:
                     raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
             next_ready = view.next_not_before()
@@ -308,10 +319,13 @@ class Agent:
             rec = leases.get(view.name)
             if lease.why_not_claimable(view, rec, now) is None:
                 candidates.append((view, rec))
-        claimed = self._try(candidates, interrupt=interrupt, on_conflict=lambda name: None)
-        if claimed is None:
-            raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
-        return claimed
+        lost: set[str] = set()
+        while candidates:
+            claimed = self._try(candidates, interrupt=interrupt, on_conflict=lost.add)
+            if claimed is not None:
+                return claimed
+            candidates = [c for c in candidates if c[0].name not in lost]
+        raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
 
     def work(self, queue: str, handler: Callable[[ClaimedTask], Any], *, stop: threading.Event | None = None,
              max_tasks: int | None = None, idle_timeout: float | None = None) -> int:
@@ -359,7 +373,7 @@ class Agent:
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.Invalid):
-                on_conflict(task.name)
+                on_conflict(task.name)  # another agent won; the next pick is another task
                 continue
             log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)
             return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt)

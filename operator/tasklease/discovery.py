@@ -25,7 +25,9 @@ def task_selector(queue: str) -> str:
 
 
 def lease_selector(queue: str) -> str:
-    return f"{lease.LABEL_QUEUE}={queue},{lease.LABEL_STATE}!={lease.CLOSED}"
+    # Not `state!=closed`: when an object stops matching a selector the watch reports it
+    # DELETED with its *previous* state, so a closing Lease would look like a vanished one.
+    return f"{lease.LABEL_QUEUE}={queue}"
 
 
 class QueueView:
@@ -35,9 +37,6 @@ class QueueView:
         self.queue = queue
         self._tasks: dict[str, TaskView] = {}
         self._leases: dict[str, LeaseRecord] = {}
-        # Leases that left the watch because they closed: their tasks are finished even
-        # while the operator has not yet projected a terminal phase.
-        self._closed: set[str] = set()
         self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
         self._changed = threading.Condition()
         self._generation = 0
@@ -63,7 +62,7 @@ class QueueView:
     def candidates(self, now: datetime) -> list[tuple[TaskView, LeaseRecord | None]]:
         with self._changed:
             return [(t, self._leases.get(name)) for name, t in self._tasks.items()
-                    if name not in self._closed and not self._recently_lost(name)
+                    if not self._recently_lost(name)
                     and lease.why_not_claimable(t, self._leases.get(name), now) is None]
 
     def next_not_before(self) -> datetime | None:
@@ -91,8 +90,9 @@ class QueueView:
         name = obj["metadata"]["name"]
         with self._changed:
             if kind == "DELETED":
+                # Finished (it left the phase selector) or deleted: its Lease no longer matters.
                 self._tasks.pop(name, None)
-                self._closed.discard(name)
+                self._leases.pop(name, None)
             else:
                 self._tasks[name] = TaskView.of(obj)
             self._bump()
@@ -102,8 +102,6 @@ class QueueView:
         with self._changed:
             if kind == "DELETED":
                 self._leases.pop(rec.name, None)
-                if rec.state == lease.CLOSED:
-                    self._closed.add(rec.name)
             else:
                 self._leases[rec.name] = rec
             self._bump()

@@ -20,6 +20,8 @@ from kubernetes import client, config
 from tasklease import errors, models
 
 JSON = dict[str, Any]
+# Unknown fields are an error, not silently dropped (outside `payload`, which keeps them).
+_STRICT = {"fieldValidation": "Strict"}
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -128,16 +130,16 @@ class Kube:
         return self.request("GET", res.path(ns), query=_selectors(label_selector, field_selector))
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None) -> JSON:
-        return self.request("POST", res.path(namespace or self.namespace), body=body)
+        return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT)
 
     def replace(self, res: Resource, body: JSON, *, sub: str | None = None) -> JSON:
         """A PUT that carries metadata.resourceVersion: the API server answers 409 if it moved."""
         meta = body["metadata"]
-        return self.request("PUT", res.path(meta["namespace"], meta["name"], sub), body=body)
+        return self.request("PUT", res.path(meta["namespace"], meta["name"], sub), body=body, query=_STRICT)
 
     def merge_patch(self, res: Resource, name: str, patch: JSON, *, namespace: str | None = None) -> JSON:
         return self.request("PATCH", res.path(namespace or self.namespace, name), body=patch,
-                            content_type="application/merge-patch+json")
+                            content_type="application/merge-patch+json", query=_STRICT)
 
     def delete(self, res: Resource, name: str, *, namespace: str | None = None,
                preconditions: JSON | None = None) -> None:

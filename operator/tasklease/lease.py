@@ -372,12 +372,13 @@ class Protocol:
 
 def pick(candidates: list[tuple[TaskView, LeaseRecord | None]], *, best_of: int,
          rng: random.Random) -> list[tuple[TaskView, LeaseRecord | None]]:
-    """Order claim attempts: highest priority first, oldest first, shuffled among the best few
-    so that a fleet woken by one event does not race for the same task."""
+    """The few to try now: the `best_of` highest-priority (then oldest) candidates, shuffled,
+    so that a fleet woken by the same event does not race for the same task. The rest wait
+    for the next look, when the winners' Leases have arrived through the watch."""
     ranked = sorted(candidates, key=lambda c: (-c[0].spec.priority, c[0].created, c[0].name))
-    head, tail = ranked[:best_of], ranked[best_of:]
+    head = ranked[:best_of]
     rng.shuffle(head)
-    return head + tail
+    return head
 
 
 def _parse_time(value: Any) -> datetime | None:
