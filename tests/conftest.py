@@ -42,6 +42,14 @@ class Cluster:
     def kube(self, namespace: str = "default") -> Kube:
         return Kube.connect(kubeconfig=str(self.kubeconfig), namespace=namespace, pool_size=64)
 
+    def namespaced_kubeconfig(self, namespace: str, directory: Path) -> Path:
+        """The admin kubeconfig with `namespace` as its default (as a pod's own namespace is)."""
+        config = yaml.safe_load(self.kubeconfig.read_text())
+        config["contexts"][0]["context"]["namespace"] = namespace
+        path = directory / f"admin-{namespace}.kubeconfig"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
     def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(binaries.ensure_kubectl()), f"--kubeconfig={self.kubeconfig}", *args],
                               capture_output=True, text=True, check=check, input=input)

@@ -68,7 +68,9 @@ def from_status(status: int, message: str, *, path: str) -> TaskleaseError:
     if status == 409:
         return Conflict(message)
     if status == 404:
-        if "/apis/tasklease.dev/" in path and "could not find the requested resource" in message:
+        # A missing resource answers with a plain 404, not a Status about an object.
+        if "/apis/tasklease.dev/" in path and ("could not find the requested resource" in message
+                                               or "page not found" in message):
             return CRDMissing("the Task CRD (tasks.tasklease.dev) is not installed in this cluster: "
                               "kubectl apply -f crds/")
         return NotFound(message)

@@ -177,10 +177,11 @@ def _selectors(label_selector: str, field_selector: str) -> dict[str, str]:
 
 
 def _message(body: Any) -> str:
+    text = body.decode(errors="replace") if isinstance(body, bytes) else str(body or "")
     try:
-        return str(json.loads(body).get("message", body))
+        return str(json.loads(text).get("message", text))
     except (TypeError, ValueError, AttributeError):
-        return str(body or "")
+        return text.strip()
 
 
 def _short(exc: BaseException) -> str:

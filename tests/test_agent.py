@@ -1,0 +1,131 @@
+"""The agent SDK against a real API server and operator: fencing, pauses, restarts."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
+from tasklease import errors, lease
+from tasklease.agent import Agent, Identity
+from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.lease import Protocol, TaskView
+
+FAST = {"leaseDurationSeconds": 5, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}
+
+
+def _lines(proc: Process) -> list[dict[str, object]]:
+    return [json.loads(line) for line in proc.output().splitlines() if line.startswith("{")]
+
+
+def test_a_paused_holder_is_expired_and_its_late_writes_are_rejected(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
+    make_task(kube, "paused", queue="p", **FAST)
+    go = tmp_path / "go"
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    holder = Process([sys.executable, str(ROOT / "tests" / "agents" / "hold.py"), str(config), "p", str(go)],
+                     log=tmp_path / "hold.log", env={"POD_NAME": "pausing-agent"})
+    claimed = wait_for(lambda: _lines(holder), timeout=30, message="the holder to claim")[0]
+    assert claimed["epoch"] == 1
+
+    holder.kill(signal.SIGSTOP)
+    try:
+        other = Agent(kube, identity=Identity(pod="other-agent", instance="b"))
+        stolen = other.claim("p", timeout=30)  # possible only after the operator expired attempt 1
+        assert stolen.epoch == 2
+        holder.kill(signal.SIGCONT)
+        go.touch()
+        report = wait_for(lambda: _lines(holder)[1:], timeout=30, message="the paused holder's report")[0]
+        assert report["lost"] is True  # its own renew deadline passed while it was stopped
+        assert report["renew"] == "LostLease"  # and the API server refused its writes
+        assert report["complete"] == "LostLease"
+        stolen.complete("fresh result")
+        other.close()
+    finally:
+        holder.kill(signal.SIGCONT)
+        holder.stop()
+
+    rec = lease.decode(kube.get(LEASES, "paused"))
+    assert (rec.outcome, rec.epoch, rec.result) == ("Succeeded", 2, "fresh result")
+    assert [(a.attempt, a.outcome) for a in rec.history] == [(1, "Expired"), (2, "Succeeded")]
+    status = wait_for(lambda: (kube.get(TASKS, "paused").get("status") or {}).get("phase") == "Succeeded"
+                      and kube.get(TASKS, "paused")["status"], message="status Succeeded")
+    assert status["result"] == "fresh result"
+
+
+def test_a_restarted_agent_releases_its_previous_instances_leases_at_once(
+        cluster: Cluster, kube: Kube, namespace: str, tmp_path: Path) -> None:
+    make_task(kube, "held-long", queue="r", leaseDurationSeconds=300)
+    config = str(cluster.namespaced_kubeconfig(namespace, tmp_path))
+    first = Process([sys.executable, str(ROOT / "tests" / "agents" / "hold.py"), config, "r", str(tmp_path / "never")],
+                    log=tmp_path / "first.log", env={"POD_NAME": "worker-0"})
+    claimed = wait_for(lambda: _lines(first), timeout=30, message="the first instance to claim")[0]
+    first.kill(signal.SIGKILL)
+    first.wait(10)
+
+    started = time.monotonic()
+    second = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "r", "--", "echo", "second"),
+                     log=tmp_path / "second.log", env={"POD_NAME": "worker-0"})
+    assert second.wait(60) == 0, second.output()
+    assert time.monotonic() - started < 30  # not the 300 s lease duration
+    rec = lease.decode(kube.get(LEASES, "held-long"))
+    assert [(a.attempt, a.outcome) for a in rec.history] == [(1, "Released"), (2, "Succeeded")]
+    assert rec.history[0].holder == claimed["holder"]
+    assert rec.history[1].holder.startswith("worker-0/") and rec.history[1].holder != claimed["holder"]
+    assert "restarted" in rec.history[0].message
+    assert rec.result == "second"
+
+
+def test_fencing_epoch_only_grows_and_stale_holders_are_refused(kube: Kube) -> None:
+    make_task(kube, "fenced", queue="f", maxAttempts=5, backoff={"initialSeconds": 0, "maxSeconds": 0})
+    agents = [Agent(kube, identity=Identity(pod=f"a{i}", instance="x")) for i in range(3)]
+    epochs = []
+    stale = []
+    for agent in agents:
+        task = agent.claim("f", timeout=30)
+        epochs.append(task.epoch)
+        stale.append(task.held)
+        task.release()
+    assert epochs == [1, 2, 3]
+    final = agents[0].claim("f", timeout=30)
+    for held in stale:
+        with pytest.raises(errors.LostLease):
+            agents[0].protocol.complete(held, "stale")
+    final.complete("current")
+    assert lease.decode(kube.get(LEASES, "fenced")).result == "current"
+    for a in agents:
+        a.close()
+
+
+def test_losing_the_lease_interrupts_the_work_in_its_thread(kube: Kube) -> None:
+    make_task(kube, "interrupted", queue="i", leaseDurationSeconds=5)
+    agent = Agent(kube, identity=Identity(pod="busy", instance="x"))
+    outcome: list[str] = []
+
+    def work() -> None:
+        try:
+            with agent.claim("i", timeout=30) as task:
+                outcome.append("claimed")
+                _requeue_now(kube, "interrupted")
+                while True:  # busy work that never checks: the SDK must interrupt it
+                    sum(range(1000))
+        except errors.LostLease:
+            outcome.append("interrupted")
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert outcome == ["claimed", "interrupted"]
+    agent.close()
+
+
+def _requeue_now(kube: Kube, name: str) -> None:
+    protocol = Protocol(kube)
+    protocol.requeue(TaskView.of(kube.get(TASKS, name)), protocol.read(kube.namespace, name))

@@ -1,0 +1,153 @@
+"""The `tasklease` CLI end to end, with shell-script agents, against a real API server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Cluster, Operator, Process, make_task, service_account_kubeconfig, tasklease_cmd, wait_for
+from tasklease import lease
+from tasklease.kube import LEASES, TASKS, Kube
+
+
+@pytest.fixture
+def cli(cluster: Cluster, namespace: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+
+    def run(*args: str, input: str | None = None, env: dict[str, str] | None = None,
+            kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(tasklease_cmd(*args), capture_output=True, text=True, input=input, timeout=120,
+                              env={**os.environ, "KUBECONFIG": str(kubeconfig or config), **(env or {})})
+    run.kubeconfig = config  # type: ignore[attr-defined]
+    return run
+
+
+def _clean_error(result: subprocess.CompletedProcess[str]) -> str:
+    """One line on stderr, no traceback."""
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_submit_list_get_and_a_shell_agent_completing_it(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    assert cli("submit", "--queue", "sh", "--name", "hello", "--payload", '{"who": "world"}').returncode == 0
+    listed = cli("list", "--queue", "sh").stdout
+    assert "hello" in listed and "sh" in listed
+    script = 'read -r payload; echo "got $payload for $TASKLEASE_TASK at epoch $TASKLEASE_EPOCH"'
+    ran = cli("run", "--queue", "sh", "--", "sh", "-c", script)
+    assert ran.returncode == 0, ran.stderr
+    rec = lease.decode(kube.get(LEASES, "hello"))
+    assert rec.outcome == "Succeeded"
+    assert rec.result == 'got {"who":"world"} for hello at epoch 1'
+    assert json.loads(cli("get", "hello", "-o", "json").stdout)["spec"]["payload"] == {"who": "world"}
+
+
+def test_claim_renew_complete_from_a_shell_script(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "scripted", queue="manual")
+    script = f"""
+set -e
+eval "$({' '.join(tasklease_cmd())} claim --queue manual --format env)"
+{' '.join(tasklease_cmd())} renew
+{' '.join(tasklease_cmd())} complete --result "done by $TASKLEASE_HOLDER"
+echo "$TASKLEASE_EPOCH"
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                         env={"KUBECONFIG": str(cli.kubeconfig), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+    assert lease.decode(kube.get(LEASES, "scripted")).result.startswith("done by ")
+
+
+def test_a_command_outliving_its_lease_duration_keeps_it_by_renewing(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "long", queue="slow", leaseDurationSeconds=5)
+    started = time.monotonic()
+    ran = cli("run", "--queue", "slow", "--", "sh", "-c", "sleep 9; echo finished")
+    assert ran.returncode == 0, ran.stderr
+    assert time.monotonic() - started > 9
+    rec = lease.decode(kube.get(LEASES, "long"))
+    assert (rec.outcome, rec.epoch, rec.result) == ("Succeeded", 1, "finished")  # one attempt, never expired
+
+
+def test_the_command_is_terminated_the_moment_ownership_is_lost(
+        cli, kube: Kube, operator: Operator, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "doomed", queue="cancel-me", leaseDurationSeconds=5)
+    marker = tmp_path / "terminated"
+    script = f"trap 'echo term > {marker}; exit 143' TERM; echo started; while true; do sleep 0.1; done"
+    agent = Process(tasklease_cmd("run", "--queue", "cancel-me", "--grace", "5", "--", "sh", "-c", script),
+                    log=tmp_path / "run.log", env={"KUBECONFIG": str(cli.kubeconfig)})
+    wait_for(lambda: "started" in agent.output(), timeout=30, message="the command to start")
+    assert cli("cancel", "doomed").returncode == 0
+    code = agent.wait(30)
+    assert code == 4, agent.output()  # lost ownership
+    assert marker.read_text().strip() == "term"  # SIGTERM reached the command
+    assert "lost" in agent.output().splitlines()[-1]
+    wait_for(lambda: (kube.get(TASKS, "doomed").get("status") or {}).get("phase") == "Cancelled",
+             message="the task to be Cancelled")
+
+
+def test_a_failing_command_is_retried_then_dead_lettered(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "broken", queue="bad", maxAttempts=2, backoff={"initialSeconds": 0, "maxSeconds": 0})
+    assert cli("run", "--queue", "bad", "--", "sh", "-c", "exit 7").returncode == 11
+    assert cli("run", "--queue", "bad", "--", "sh", "-c", "exit 7").returncode == 11
+    nothing = cli("run", "--queue", "bad", "--", "true")
+    assert nothing.returncode == 3
+    rec = lease.decode(kube.get(LEASES, "broken"))
+    assert (rec.outcome, rec.reason, rec.epoch) == ("Failed", "DeadLettered", 2)
+    assert "exited with code 7" in rec.error
+
+
+@pytest.mark.parametrize(("args", "code", "says"), [
+    (("claim", "--queue", "empty"), 3, "nothing claimable in queue 'empty'"),
+    (("get", "missing"), 5, "not found"),
+    (("complete", "missing", "--holder", "me/1", "--epoch", "1"), 4, "lease is gone"),
+    (("submit", "--queue", "Not_A_Label"), 9, "spec.queue"),
+    (("requeue", "missing"), 5, "not found"),
+])
+def test_errors_are_one_clear_line_with_a_documented_exit_code(cli, args, code, says) -> None:  # type: ignore[no-untyped-def]
+    result = cli(*args)
+    assert result.returncode == code, result.stderr
+    assert says in _clean_error(result)
+
+
+def test_bad_flags_exit_2(cli) -> None:  # type: ignore[no-untyped-def]
+    result = cli("claim", "--no-such-flag")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+
+
+def test_no_cluster_reachable_exits_7(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import yaml
+
+    config = yaml.safe_load(cli.kubeconfig.read_text())
+    config["clusters"][0]["cluster"]["server"] = "https://127.0.0.1:1"
+    dead = tmp_path / "dead.kubeconfig"
+    dead.write_text(yaml.safe_dump(config))
+    result = cli("list", kubeconfig=dead)
+    assert result.returncode == 7
+    assert "cannot reach the Kubernetes API server" in _clean_error(result)
+    result = cli("list", kubeconfig=tmp_path / "absent.kubeconfig")
+    assert result.returncode == 7
+    assert "no usable cluster configuration" in _clean_error(result)
+
+
+def test_rbac_denial_exits_6(cli, cluster: Cluster, namespace: str, chart_roles: dict[str, str],
+                             tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    agent_config = service_account_kubeconfig(cluster, namespace, "agent", chart_roles["agent"], tmp_path)
+    result = cli("submit", "--queue", "q", kubeconfig=agent_config)  # agents may not create tasks
+    assert result.returncode == 6
+    assert "forbidden" in _clean_error(result)
+
+
+def test_crd_not_installed_is_named(cluster: Cluster, namespace: str) -> None:
+    from tasklease import errors
+    from tasklease.kube import Resource
+
+    missing = Resource("tasklease.dev", "v1alpha1", "notinstalled")
+    with pytest.raises(errors.CRDMissing, match="is not installed"):
+        cluster.kube(namespace).list(missing)
