@@ -1,0 +1,211 @@
+"""The operator against a real API server: expiry, requeue, dead letters, restarts, HA, idle cost."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
+from tasklease import lease
+from tasklease.kube import LEASES, PODS, TASKS, Kube
+
+NO_BACKOFF = {"initialSeconds": 0, "maxSeconds": 0}
+
+
+def _hold(config: Path, queue: str, log: Path, pod: str) -> tuple[Process, dict[str, Any]]:
+    """Start a test agent that claims one task of `queue` and holds it (renewing) until killed."""
+    proc = Process([sys.executable, str(ROOT / "tests" / "agents" / "hold.py"), str(config), queue,
+                    str(log.with_suffix(".never"))], log=log, env={"POD_NAME": pod})
+    claimed = wait_for(lambda: [json.loads(x) for x in proc.output().splitlines() if x.startswith("{")],
+                       timeout=30, message=f"{pod} to claim from {queue}")[0]
+    return proc, claimed
+
+
+def _lease(kube: Kube, name: str) -> lease.LeaseRecord:
+    return lease.decode(kube.get(LEASES, name))
+
+
+def _phase(kube: Kube, name: str) -> str:
+    return str((kube.get(TASKS, name).get("status") or {}).get("phase", ""))
+
+
+def test_a_killed_agents_task_is_requeued_within_the_lease_duration_and_completed_by_another(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
+    make_task(kube, "orphaned", queue="k", leaseDurationSeconds=5, backoff=NO_BACKOFF)
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    holder, claimed = _hold(config, "k", tmp_path / "holder.log", "doomed-agent")
+    holder.kill(signal.SIGKILL)
+    killed_at = time.monotonic()
+    holder.wait(10)
+    wait_for(lambda: _lease(kube, "orphaned").state == lease.FREE, timeout=30, interval=0.05,
+             message="the operator to expire the lease")
+    requeued_after = time.monotonic() - killed_at
+    assert requeued_after <= 5 + 1 + 1.5, f"requeued after {requeued_after:.1f}s"  # duration + grace + slack
+
+    other = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "k", "--", "echo", "rescued"),
+                    log=tmp_path / "other.log", env={"POD_NAME": "rescuer"})
+    assert other.wait(60) == 0, other.output()
+    status = wait_for(lambda: _phase(kube, "orphaned") == "Succeeded" and kube.get(TASKS, "orphaned")["status"],
+                      message="status Succeeded")
+    assert status["result"] == "rescued"
+    assert [(a["attempt"], a["outcome"]) for a in status["history"]] == [(1, "Expired"), (2, "Succeeded")]
+    assert status["history"][0]["holder"] == claimed["holder"]
+    assert operator.metric("tasklease_expirations_total") == 1
+    assert operator.metric("tasklease_time_to_requeue_seconds_count") == 1
+    reasons = _event_reasons(kube, "orphaned")
+    for reason in ("Claimed", "Expired", "Requeued", "Succeeded"):
+        assert reason in reasons
+    assert "Expired" in cluster.kubectl("describe", "task", "orphaned", "-n", namespace).stdout
+
+
+def test_a_task_that_keeps_failing_is_dead_lettered_with_every_attempt_in_its_history(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
+    make_task(kube, "poison", queue="d", maxAttempts=3, backoff=NO_BACKOFF)
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    for attempt in range(3):
+        run = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "d", "--wait", "30", "--",
+                                    "sh", "-c", f"echo try {attempt}; exit 1"), log=tmp_path / f"run{attempt}.log")
+        assert run.wait(60) == 11, run.output()
+    status = wait_for(lambda: _phase(kube, "poison") == "Failed" and kube.get(TASKS, "poison")["status"],
+                      message="status Failed")
+    assert status["reason"] == "DeadLettered"
+    assert [(a["attempt"], a["outcome"]) for a in status["history"]] == [(1, "Failed"), (2, "Failed"), (3, "Failed")]
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {"Held": "False", "Finished": "True"}
+    assert "DeadLettered" in _event_reasons(kube, "poison")
+    wait_for(lambda: operator.metric("tasklease_dead_letters_total") == 1, message="the dead-letter metric")
+
+
+def test_operator_killed_and_restarted_mid_run_loses_nothing_and_expires_nothing_early(
+        cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator],
+        tmp_path: Path) -> None:
+    for i in range(24):
+        make_task(kube, f"job-{i:02d}", queue="work", leaseDurationSeconds=5)
+    make_task(kube, "frozen", queue="freeze", leaseDurationSeconds=10, backoff=NO_BACKOFF)
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    first = operator_factory("--no-leader-elect")
+    frozen, _ = _hold(config, "freeze", tmp_path / "frozen.log", "frozen-agent")
+    workers = [Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "work", "--loop", "--wait", "15",
+                                     "--", "sh", "-c", "sleep 0.5; echo ok"),
+                       log=tmp_path / f"worker{i}.log", env={"POD_NAME": f"worker-{i}"}) for i in range(3)]
+    try:
+        wait_for(lambda: sum(_lease_or_none(kube, f"job-{i:02d}") == "closed" for i in range(24)) >= 6,
+                 timeout=60, message="a quarter of the jobs done")
+        frozen.kill(signal.SIGSTOP)  # its lease now stands still
+        first.kill(signal.SIGKILL)
+        first.wait(10)
+        time.sleep(3)  # the lease ages while no operator runs: a restart must not count this time
+        second = operator_factory("--no-leader-elect")
+        restarted_at = time.monotonic()
+        wait_for(lambda: _lease(kube, "frozen").state == lease.FREE, timeout=40, interval=0.05,
+                 message="the frozen lease to expire")
+        expired_after = time.monotonic() - restarted_at
+        assert expired_after >= 10 - 0.5, f"expired {expired_after:.1f}s after the restart: early"
+        for w in workers:
+            assert w.wait(120) == 0, w.output()
+    finally:
+        frozen.kill(signal.SIGCONT)
+        frozen.stop()
+        for w in workers:
+            w.stop()
+    for i in range(24):
+        rec = _lease(kube, f"job-{i:02d}")
+        assert (rec.outcome, rec.epoch, len(rec.history)) == ("Succeeded", 1, 1), f"job-{i:02d}: {rec}"
+    wait_for(lambda: all(_phase(kube, f"job-{i:02d}") == "Succeeded" for i in range(24)), timeout=60,
+             message="every status projected Succeeded by the restarted operator")
+    assert second.proc.poll() is None
+
+
+def test_two_replicas_one_active_and_the_standby_takes_over(
+        cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator],
+        tmp_path: Path) -> None:
+    election = ("--leader-elect", "--leader-election-lease-duration=4")
+    active = operator_factory(*election)
+    standby = operator_factory(*election, ready_as="standby")
+    assert active.metric("tasklease_operator_leader") == 1 and standby.metric("tasklease_operator_leader") == 0
+
+    active.kill(signal.SIGKILL)
+    killed_at = time.monotonic()
+    standby.wait_ready("leader", timeout=30)
+    took_over = time.monotonic() - killed_at
+    assert took_over <= 4 + 2, f"standby took over after {took_over:.1f}s"
+
+    # The new leader does the work: a silent holder's task is expired and requeued.
+    make_task(kube, "after-failover", queue="ha", leaseDurationSeconds=5, backoff=NO_BACKOFF)
+    claim = Process(tasklease_cmd("claim", f"--kubeconfig={cluster.namespaced_kubeconfig(namespace, tmp_path)}",
+                                  "--queue", "ha"), log=tmp_path / "claim.log")
+    assert claim.wait(30) == 0
+    wait_for(lambda: _lease(kube, "after-failover").state == lease.FREE, timeout=30, message="expiry by the new leader")
+
+
+def test_deleting_the_holders_pod_requeues_its_task_at_once(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
+    make_task(kube, "pod-bound", queue="pods", leaseDurationSeconds=120, backoff=NO_BACKOFF)
+    kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
+                       "metadata": {"name": "agent-7", "labels": {"tasklease.dev/agent": "true"}},
+                       "spec": {"automountServiceAccountToken": False,
+                                "containers": [{"name": "agent", "image": "agent:dev"}]}})
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    holder, _ = _hold(config, "pods", tmp_path / "holder.log", "agent-7")
+    try:
+        kube.delete(PODS, "agent-7")
+        deleted_at = time.monotonic()
+        wait_for(lambda: _lease(kube, "pod-bound").state == lease.FREE, timeout=30, interval=0.05,
+                 message="the lease to be expired after its pod was deleted")
+        assert time.monotonic() - deleted_at < 10  # not the 120 s lease duration
+    finally:
+        holder.stop()
+    assert _lease(kube, "pod-bound").history[0].outcome == "Expired"
+    assert 'tasklease_expirations_total{cause="pod-gone",queue="pods"} 1.0' in operator.get("/metrics")[1]
+
+
+def test_at_idle_the_operator_makes_no_request_but_its_watches(
+        cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator],
+        audit_log: Path, tmp_path: Path) -> None:
+    op = operator_factory("--no-leader-elect")
+    make_task(kube, "settled", queue="idle")
+    run = Process(tasklease_cmd("run", f"--kubeconfig={cluster.namespaced_kubeconfig(namespace, tmp_path)}",
+                                "--queue", "idle", "--", "true"), log=tmp_path / "run.log")
+    assert run.wait(60) == 0
+    wait_for(lambda: _phase(kube, "settled") == "Succeeded", message="the task to settle")
+    time.sleep(1)  # let the last status write and its Events land before the window opens
+    start = _audit_lines(audit_log)
+    time.sleep(60)  # the idle window itself: what we measure is the absence of requests
+    user = f"system:serviceaccount:{namespace}:tasklease-operator"
+    before = [e for e in _events_since(audit_log, 0)[:start] if e["user"]["username"] == user]
+    during = [e for e in _events_since(audit_log, start) if e["user"]["username"] == user]
+    watched = {e["objectRef"]["resource"] for e in before if e["verb"] == "watch"}
+    assert {"tasks", "leases", "pods"} <= watched, watched
+    assert [(e["verb"], e["requestURI"]) for e in during if e["verb"] != "watch"] == []
+    print(f"\nidle 60 s: {len(during)} audit entries from the operator, all watches")
+
+    # The watches are still alive: a change made now is projected at once.
+    make_task(kube, "after-idle", queue="idle")
+    wait_for(lambda: _phase(kube, "after-idle") == "Pending", message="the operator to see a new task")
+    assert op.proc.poll() is None
+
+
+def _audit_lines(path: Path) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def _events_since(path: Path, start: int) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for i, line in enumerate(f) if i >= start]
+
+
+def _lease_or_none(kube: Kube, name: str) -> str:
+    obj = kube.get_or_none(LEASES, name)
+    return lease.decode(obj).state if obj else ""
+
+
+def _event_reasons(kube: Kube, name: str) -> list[str]:
+    from tasklease.kube import EVENTS
+
+    return [e["reason"] for e in kube.list(EVENTS, field_selector=f"involvedObject.name={name}")["items"]]
+
