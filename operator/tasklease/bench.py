@@ -1,0 +1,317 @@
+"""`make bench`: what tasklease costs and how fast it recovers, beside baselines from the same run.
+
+Throughput (the same tasks, the same number of workers, no-op work):
+- baseline `mv`: the file-based claiming users came from (seed study): an atomic rename
+  per claim and per completion on a local disk. No expiry, no fencing, one machine.
+- baseline raw Lease: the API server's floor: one create (claim) and one conditional PUT
+  (complete) per task, with the task list known in advance. No discovery, no renewal.
+- tasklease: the agent SDK (watch-based discovery, randomized choice, renewal threads).
+
+Recovery: agents holding a task are killed with SIGKILL; time until each task is
+claimable again, through lease expiry (the bound is lease duration + grace) beside the
+Pod-deletion fast path.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from tasklease import errors, lease
+from tasklease.agent import Agent, ClaimedTask, Identity
+from tasklease.kube import LEASES, NAMESPACES, PODS, TASKS, Kube
+from tasklease.localcluster.cluster import LocalCluster
+from tasklease.localcluster.crds import apply_crds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasklease.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
+    args = parser.parse_args(argv)
+
+    root = Path.cwd()
+    state = LocalCluster(root / ".cache" / "cluster", root / ".cache" / "kubeconfig").up()
+    kubeconfig = Path(state.kubeconfig)
+    apply_crds(kubeconfig=kubeconfig, folder=root / "crds")
+    print(f"tasklease bench: {args.tasks} tasks, {args.workers} workers, Kubernetes {state.version} on 127.0.0.1, "
+          f"{os.cpu_count()} CPUs\n", flush=True)
+
+    rows = [
+        ("baseline: mv on a local disk", _bench_mv(args.tasks, args.workers)),
+        ("baseline: raw Lease create + PUT", _in_namespace(kubeconfig, lambda k: _bench_raw(k, args))),
+        ("tasklease agent SDK", _in_namespace(kubeconfig, lambda k: _bench_sdk(k, args))),
+    ]
+    print(f"{'throughput':40} {'tasks/s':>9} {'claim p50':>10} {'claim p95':>10} {'409s':>6}")
+    for name, r in rows:
+        print(f"{name:40} {r['rate']:9.1f} {_ms(r.get('p50'))} {_ms(r.get('p95'))} {r.get('conflicts', '-'):>6}")
+
+    print(f"\n{'recovery after SIGKILL (lease 5 s, grace 1 s)':48} {'min':>6} {'median':>7} {'max':>6}")
+    for name, pod_fast_path in (("lease expiry (operator observed time)", False), ("holder Pod deleted", True)):
+        times = _in_namespace(kubeconfig, lambda k, fast=pod_fast_path: _bench_recovery(k, kubeconfig, args.kills, fast))
+        print(f"{name:48} {min(times):5.1f}s {statistics.median(times):6.1f}s {max(times):5.1f}s")
+    return 0
+
+
+# -- throughput -------------------------------------------------------------------------------
+
+
+def _bench_mv(tasks: int, workers: int) -> dict[str, float]:
+    base = Path(tempfile.mkdtemp(prefix="tasklease-bench-mv-"))
+    try:
+        for sub in ("available", "claimed", "done"):
+            (base / sub).mkdir()
+        for i in range(tasks):
+            (base / "available" / f"task-{i:04d}").write_text("{}")
+        latencies: list[float] = []
+
+        def worker(me: int) -> None:
+            while True:
+                names = sorted(os.listdir(base / "available"))
+                if not names:
+                    return
+                for name in names:
+                    started = time.perf_counter()
+                    try:
+                        os.rename(base / "available" / name, base / "claimed" / f"{name}.{me}")
+                    except FileNotFoundError:
+                        continue  # another worker's mv won
+                    latencies.append(time.perf_counter() - started)
+                    os.rename(base / "claimed" / f"{name}.{me}", base / "done" / name)
+                    break
+
+        elapsed = _threads(workers, worker)
+        assert len(os.listdir(base / "done")) == tasks
+        return {"rate": tasks / elapsed, **_percentiles(latencies)}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _bench_raw(kube: Kube, args: argparse.Namespace) -> dict[str, float]:
+    names = [f"raw-{i:04d}" for i in range(args.tasks)]
+    latencies: list[float] = []
+    conflicts = [0]
+    lock = threading.Lock()
+    cursor = iter(names)
+
+    def worker(me: int) -> None:
+        for name in _locked_iter(cursor, lock):
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
+                    "spec": {"holderIdentity": f"w{me}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
+            started = time.perf_counter()
+            try:
+                created = kube.create(LEASES, body)
+            except errors.Conflict:
+                conflicts[0] += 1
+                continue
+            latencies.append(time.perf_counter() - started)
+            created["spec"]["holderIdentity"] = None
+            kube.replace(LEASES, created)
+
+    elapsed = _threads(args.workers, worker)
+    return {"rate": args.tasks / elapsed, "conflicts": conflicts[0], **_percentiles(latencies)}
+
+
+def _bench_sdk(kube: Kube, args: argparse.Namespace) -> dict[str, float]:
+    for i in range(args.tasks):
+        kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task",
+                            "metadata": {"name": f"sdk-{i:04d}"}, "spec": {"queue": "bench"}})
+    agents = [Agent(Kube.connect(kubeconfig=_kubeconfig_of(kube), namespace=kube.namespace),
+                    identity=Identity(pod=f"bench-{i}", instance="x")) for i in range(args.workers)]
+    for a in agents:
+        a._view("bench")  # start the watches before the clock does
+    done = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+    latencies: list[float] = []
+    conflicts = [0]
+
+    def handler(task: ClaimedTask) -> str:
+        with lock:
+            done[0] += 1
+            if done[0] >= args.tasks:
+                stop.set()
+        return "ok"
+
+    def worker(me: int) -> None:
+        agent = agents[me]
+        original = agent.protocol.claim
+
+        def timed_claim(*a: object, **kw: object) -> lease.Held:
+            started = time.perf_counter()
+            try:
+                held = original(*a, **kw)  # type: ignore[arg-type]
+            except errors.Conflict:
+                conflicts[0] += 1
+                raise
+            latencies.append(time.perf_counter() - started)
+            return held
+        agent.protocol.claim = timed_claim  # type: ignore[method-assign]
+        agent.work("bench", handler, stop=stop)
+
+    elapsed = _threads(args.workers, worker)
+    for a in agents:
+        a.close()
+    return {"rate": args.tasks / elapsed, "conflicts": conflicts[0], **_percentiles(latencies)}
+
+
+# -- recovery -------------------------------------------------------------------------------------
+
+
+def _bench_recovery(kube: Kube, kubeconfig: Path, kills: int, pod_fast_path: bool) -> list[float]:
+    """Kill `kills` holders at once; seconds until each task is claimable again."""
+    ns_config = _namespaced(kubeconfig, kube.namespace)
+    port = _free_port()
+    operator = _spawn(["operator", f"--kubeconfig={ns_config}", f"--watch-namespace={kube.namespace}",
+                       "--no-leader-elect", "--grace=1", f"--http-port={port}", "--http-host=127.0.0.1"])
+    agents = []
+    try:
+        for i in range(kills):
+            pod = f"victim-{i}"
+            kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": pod},
+                                "spec": {"queue": pod, "leaseDurationSeconds": 5,
+                                         "backoff": {"initialSeconds": 0, "maxSeconds": 0}}})
+            if pod_fast_path:
+                kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
+                                   "metadata": {"name": pod, "labels": {"tasklease.dev/agent": "true"}},
+                                   "spec": {"automountServiceAccountToken": False,
+                                            "containers": [{"name": "a", "image": "agent:dev"}]}})
+            agents.append(_spawn(["run", f"--kubeconfig={ns_config}", "--queue", pod, "--", "sleep", "300"],
+                                 env={"POD_NAME": pod}))
+        _until(lambda: all(_state(kube, f"victim-{i}") == lease.HELD for i in range(kills)), 60, "agents to claim")
+        _until(lambda: _get_ok(port), 60, "the operator to be ready")
+        time.sleep(1)  # the operator has seen the held leases
+        killed_at = time.monotonic()
+        for proc in agents:
+            proc.send_signal(signal.SIGKILL)
+        if pod_fast_path:
+            for i in range(kills):
+                kube.delete(PODS, f"victim-{i}")
+        freed: dict[str, float] = {}
+
+        def all_freed() -> bool:
+            for i in range(kills):
+                name = f"victim-{i}"
+                if name not in freed and _state(kube, name) == lease.FREE:
+                    freed[name] = time.monotonic() - killed_at
+            return len(freed) == kills
+        _until(all_freed, 60, "every lease to be freed", interval=0.05)
+        return list(freed.values())
+    finally:
+        for proc in [*agents, operator]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        subprocess.run(["pkill", "-f", "sleep 300"], check=False)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _in_namespace(kubeconfig: Path, body: Callable[[Kube], object]) -> object:
+    admin = Kube.connect(kubeconfig=str(kubeconfig))
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+    admin.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    try:
+        return body(Kube.connect(kubeconfig=str(kubeconfig), namespace=name, pool_size=64))
+    finally:
+        admin.delete(NAMESPACES, name)
+
+
+def _threads(n: int, target: Callable[[int], None]) -> float:
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
+def _locked_iter(it: object, lock: threading.Lock):  # type: ignore[no-untyped-def]
+    while True:
+        with lock:
+            item = next(it, None)  # type: ignore[call-overload]
+        if item is None:
+            return
+        yield item
+
+
+def _percentiles(latencies: list[float]) -> dict[str, float]:
+    if len(latencies) < 2:
+        return {}
+    q = statistics.quantiles(latencies, n=20)
+    return {"p50": statistics.median(latencies), "p95": q[18]}
+
+
+def _ms(value: float | None) -> str:
+    return f"{'-':>10}" if value is None else f"{value * 1000:8.2f}ms"
+
+
+def _state(kube: Kube, name: str) -> str:
+    obj = kube.get_or_none(LEASES, name)
+    return lease.decode(obj).state if obj else ""
+
+
+def _until(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench: timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def _get_ok(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "tasklease.cli", *args], env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+
+def _namespaced(kubeconfig: Path, namespace: str) -> Path:
+    import yaml
+
+    config = yaml.safe_load(kubeconfig.read_text())
+    config["contexts"][0]["context"]["namespace"] = namespace
+    path = kubeconfig.parent / f"bench-{namespace}.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _kubeconfig_of(kube: Kube) -> str:
+    return os.environ.get("KUBECONFIG") or str(Path.cwd() / ".cache" / "kubeconfig")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
