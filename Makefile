@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease.localcluster
 
-.PHONY: help venv build cluster cluster-down test demo bench crds operator clean
+.PHONY: help venv build cluster cluster-down lint test demo bench crds clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -27,10 +27,15 @@ cluster: build ## start the local control plane on 127.0.0.1 and apply crds/
 cluster-down: venv ## stop the local control plane and remove its data
 	$(LOCAL) down
 
-crds: venv ## regenerate crds/ and the chart's CRDs from the pydantic models
+crds: venv ## regenerate crds/, the chart's CRD and its RBAC rules from their Python sources
 	$(PY) -m tasklease.crd
+	$(PY) -m tasklease.rbac
 
-test: build ## run the test suite (starts its own control plane; TASKLEASE_KUBECONFIG=... uses yours)
+lint: venv ## ruff and mypy --strict
+	$(VENV)/bin/ruff check operator tests
+	$(VENV)/bin/mypy
+
+test: build lint ## lint, then the test suite (starts its own control plane; TASKLEASE_KUBECONFIG=... uses yours)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane

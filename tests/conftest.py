@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -27,7 +26,7 @@ import yaml
 from tasklease import errors
 from tasklease.kube import NAMESPACES, TASKS, Kube, Resource
 from tasklease.localcluster import binaries
-from tasklease.localcluster.cluster import LocalCluster
+from tasklease.localcluster.cluster import LocalCluster, free_port, namespaced_kubeconfig
 from tasklease.localcluster.crds import apply_crds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,12 +42,7 @@ class Cluster:
         return Kube.connect(kubeconfig=str(self.kubeconfig), namespace=namespace, pool_size=64)
 
     def namespaced_kubeconfig(self, namespace: str, directory: Path) -> Path:
-        """The admin kubeconfig with `namespace` as its default (as a pod's own namespace is)."""
-        config = yaml.safe_load(self.kubeconfig.read_text())
-        config["contexts"][0]["context"]["namespace"] = namespace
-        path = directory / f"admin-{namespace}.kubeconfig"
-        path.write_text(yaml.safe_dump(config))
-        return path
+        return namespaced_kubeconfig(self.kubeconfig, namespace, directory / f"admin-{namespace}.kubeconfig")
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(binaries.ensure_kubectl()), f"--kubeconfig={self.kubeconfig}", *args],
@@ -205,7 +199,7 @@ def tasklease_cmd(*args: str) -> list[str]:
 class Operator(Process):
     def __init__(self, kubeconfig: Path, namespace: str, log: Path, *extra: str) -> None:
         self.port = free_port()
-        super().__init__(tasklease_cmd("operator", f"--kubeconfig={kubeconfig}", f"--watch-namespace={namespace}",
+        super().__init__(tasklease_cmd("operator", f"--kubeconfig={kubeconfig}", f"--namespace={namespace}",
                                        f"--leader-election-namespace={namespace}", f"--http-port={self.port}",
                                        "--http-host=127.0.0.1", "--grace=1", *extra), log=log)
 
@@ -252,12 +246,6 @@ def operator_factory(cluster: Cluster, namespace: str, chart_roles: dict[str, st
 @pytest.fixture
 def operator(operator_factory: Callable[..., Operator]) -> Operator:
     return operator_factory("--no-leader-elect")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def read_audit(path: Path, *, namespace: str, resource: str | None = None) -> list[dict[str, Any]]:

@@ -110,7 +110,7 @@ def test_losing_the_lease_interrupts_the_work_in_its_thread(kube: Kube) -> None:
 
     def work() -> None:
         try:
-            with agent.claim("i", timeout=30) as task:
+            with agent.claim("i", timeout=30):
                 outcome.append("claimed")
                 _requeue_now(kube, "interrupted")
                 while True:  # busy work that never checks: the SDK must interrupt it

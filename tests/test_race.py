@@ -45,7 +45,7 @@ def test_twenty_agents_two_hundred_tasks_one_owner_each(cluster: Cluster, namesp
     assert len({holder for v in done.values() for holder, _ in v}) > 1, "one agent did everything: no race"
 
     # Every Lease ends closed/Succeeded with the result of the agent that held it.
-    for name, [(holder, epoch)] in done.items():
+    for name, [(holder, _)] in done.items():
         rec = lease.decode(admin.get(LEASES, name))
         assert (rec.outcome, rec.epoch) == ("Succeeded", 1)
         assert rec.result.endswith(f"by {holder}")

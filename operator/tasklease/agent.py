@@ -280,19 +280,15 @@ class Agent:
 
     def claim(self, queue: str, *, timeout: float | None = None, interrupt: bool = True) -> ClaimedTask:
         """Wait (watch-driven, no polling) until a task of `queue` is ours. NothingToClaim on timeout."""
-        view = self._view(queue)
+        view = self.watch(queue)
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
             since = view.generation()
-            lost: list[str] = []
-
-            def conflict(name: str) -> None:
-                lost.append(name)
-                view.mark_lost(name)
-
-            claimed = self._try(view.candidates(lease.now_utc()), interrupt=interrupt, on_conflict=conflict)
+            claimed, lost = self._try(view.candidates(lease.now_utc()), interrupt=interrupt)
             if claimed is not None:
                 return claimed
+            for name in lost:
+                view.mark_lost(name)
             wait = 60.0
             if lost:
                 # Every pick lost a race: our picture is behind. Let the watch catch up (the
@@ -319,9 +315,8 @@ class Agent:
             rec = leases.get(view.name)
             if lease.why_not_claimable(view, rec, now) is None:
                 candidates.append((view, rec))
-        lost: set[str] = set()
         while candidates:
-            claimed = self._try(candidates, interrupt=interrupt, on_conflict=lost.add)
+            claimed, lost = self._try(candidates, interrupt=interrupt)
             if claimed is not None:
                 return claimed
             candidates = [c for c in candidates if c[0].name not in lost]
@@ -358,7 +353,8 @@ class Agent:
                 view.stop()
             self._views.clear()
 
-    def _view(self, queue: str) -> QueueView:
+    def watch(self, queue: str) -> QueueView:
+        """Start watching `queue` now (claim does it on first use); idempotent."""
         with self._views_lock:
             view = self._views.get(queue)
             if view is None:
@@ -367,14 +363,16 @@ class Agent:
                 self._views[queue] = view
             return view
 
-    def _try(self, candidates: list[tuple[TaskView, LeaseRecord | None]], *, interrupt: bool,
-             on_conflict: Callable[[str], None]) -> ClaimedTask | None:
+    def _try(self, candidates: list[tuple[TaskView, LeaseRecord | None]], *,
+             interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:
+        """Claim one of the best candidates; also returns the names whose race we lost."""
+        lost = []
         for task, rec in lease.pick(candidates, best_of=self.best_of, rng=self.rng):
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.Invalid):
-                on_conflict(task.name)  # another agent won; the next pick is another task
+                lost.append(task.name)  # another agent won; the next pick is another task
                 continue
             log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)
-            return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt)
-        return None
+            return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt), lost
+        return None, lost

@@ -15,11 +15,11 @@ Pod-deletion fast path.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,12 +29,15 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from tasklease import errors, lease
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.kube import LEASES, NAMESPACES, PODS, TASKS, Kube
-from tasklease.localcluster.cluster import LocalCluster
+from tasklease.localcluster.cluster import LocalCluster, free_port, namespaced_kubeconfig
 from tasklease.localcluster.crds import apply_crds
+
+T = TypeVar("T")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("baseline: mv on a local disk", _bench_mv(args.tasks, args.workers)),
         ("baseline: raw Lease create + PUT", _in_namespace(kubeconfig, lambda k: _bench_raw(k, args))),
-        ("tasklease agent SDK", _in_namespace(kubeconfig, lambda k: _bench_sdk(k, args))),
+        ("tasklease agent SDK", _in_namespace(kubeconfig, functools.partial(_bench_sdk, kubeconfig=kubeconfig,
+                                                                             args=args))),
     ]
     print(f"{'throughput':40} {'tasks/s':>9} {'claim p50':>10} {'claim p95':>10} {'409s':>6}")
     for name, r in rows:
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{'recovery after SIGKILL (lease 5 s, grace 1 s)':48} {'min':>6} {'median':>7} {'max':>6}")
     for name, pod_fast_path in (("lease expiry (operator observed time)", False), ("holder Pod deleted", True)):
-        times = _in_namespace(kubeconfig, lambda k, fast=pod_fast_path: _bench_recovery(k, kubeconfig, args.kills, fast))
+        times = _in_namespace(kubeconfig, functools.partial(_bench_recovery, kubeconfig=kubeconfig,
+                                                            kills=args.kills, pod_fast_path=pod_fast_path))
         print(f"{name:48} {min(times):5.1f}s {statistics.median(times):6.1f}s {max(times):5.1f}s")
     return 0
 
@@ -127,14 +132,14 @@ def _bench_raw(kube: Kube, args: argparse.Namespace) -> dict[str, float]:
     return {"rate": args.tasks / elapsed, "conflicts": conflicts[0], **_percentiles(latencies)}
 
 
-def _bench_sdk(kube: Kube, args: argparse.Namespace) -> dict[str, float]:
+def _bench_sdk(kube: Kube, *, kubeconfig: Path, args: argparse.Namespace) -> dict[str, float]:
     for i in range(args.tasks):
         kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task",
                             "metadata": {"name": f"sdk-{i:04d}"}, "spec": {"queue": "bench"}})
-    agents = [Agent(Kube.connect(kubeconfig=_kubeconfig_of(kube), namespace=kube.namespace),
+    agents = [Agent(Kube.connect(kubeconfig=str(kubeconfig), namespace=kube.namespace),
                     identity=Identity(pod=f"bench-{i}", instance="x")) for i in range(args.workers)]
     for a in agents:
-        a._view("bench")  # start the watches before the clock does
+        a.watch("bench")  # start the watches before the clock does
     done = [0]
     lock = threading.Lock()
     stop = threading.Event()
@@ -173,11 +178,11 @@ def _bench_sdk(kube: Kube, args: argparse.Namespace) -> dict[str, float]:
 # -- recovery -------------------------------------------------------------------------------------
 
 
-def _bench_recovery(kube: Kube, kubeconfig: Path, kills: int, pod_fast_path: bool) -> list[float]:
+def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: bool) -> list[float]:
     """Kill `kills` holders at once; seconds until each task is claimable again."""
-    ns_config = _namespaced(kubeconfig, kube.namespace)
-    port = _free_port()
-    operator = _spawn(["operator", f"--kubeconfig={ns_config}", f"--watch-namespace={kube.namespace}",
+    ns_config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+    port = free_port()
+    operator = _spawn(["operator", f"--kubeconfig={ns_config}", f"--namespace={kube.namespace}",
                        "--no-leader-elect", "--grace=1", f"--http-port={port}", "--http-host=127.0.0.1"])
     agents = []
     try:
@@ -223,7 +228,7 @@ def _bench_recovery(kube: Kube, kubeconfig: Path, kills: int, pod_fast_path: boo
 # -- helpers ---------------------------------------------------------------------------------------
 
 
-def _in_namespace(kubeconfig: Path, body: Callable[[Kube], object]) -> object:
+def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:
     admin = Kube.connect(kubeconfig=str(kubeconfig))
     name = f"bench-{uuid.uuid4().hex[:6]}"
     admin.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
@@ -289,28 +294,6 @@ def _get_ok(port: int) -> bool:
 def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "tasklease.cli", *args], env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-
-
-def _namespaced(kubeconfig: Path, namespace: str) -> Path:
-    import yaml
-
-    config = yaml.safe_load(kubeconfig.read_text())
-    config["contexts"][0]["context"]["namespace"] = namespace
-    path = kubeconfig.parent / f"bench-{namespace}.kubeconfig"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _kubeconfig_of(kube: Kube) -> str:
-    return os.environ.get("KUBECONFIG") or str(Path.cwd() / ".cache" / "kubeconfig")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 
 
 if __name__ == "__main__":

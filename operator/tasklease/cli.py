@@ -54,7 +54,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, or the pod's)")
     common.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
     common.add_argument("--context", help="kubeconfig context to use")
     common.add_argument("-v", "--verbose", action="store_true", help="log what happens")
@@ -68,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(handler=handler)
+        if name != "operator":  # the operator's -n restricts what it watches (kopf's convention)
+            p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, or the pod's)")
         return p
 
     p = command("submit", "create a task (from flags, or from YAML files with -f)", cmd_submit)

@@ -26,7 +26,7 @@ from typing import Any
 import kopf
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tasklease import lease, metrics, models
+from tasklease import errors, lease, metrics, models
 from tasklease.expiry import DEFAULT_GRACE_S
 from tasklease.kube import Kube
 from tasklease.leader import ElectionConfig, LeaderElector
@@ -38,8 +38,10 @@ AGENT_POD_SELECTOR = "tasklease.dev/agent=true"
 
 
 def add_operator_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--watch-namespace", action="append", dest="watch_namespaces", metavar="NS",
+    p.add_argument("-n", "--namespace", action="append", dest="namespaces", metavar="NS",
                    help="only watch this namespace (repeatable; default: all namespaces)")
+    p.add_argument("-A", "--all-namespaces", action="store_true",
+                   help="watch all namespaces (the default when no --namespace is given)")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                    help=f"seconds added to leaseDurationSeconds before a silent holder is expired "
                         f"(default {DEFAULT_GRACE_S:g})")
@@ -56,7 +58,9 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_operator(args: argparse.Namespace) -> int:
-    kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, namespace=args.namespace, pool_size=32)
+    if args.all_namespaces and args.namespaces:
+        raise errors.Invalid("--all-namespaces and --namespace exclude each other")
+    kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
     reconciler = Reconciler(kube, grace_s=args.grace, workers=args.workers)
     stop = threading.Event()
@@ -77,7 +81,7 @@ def run_operator(args: argparse.Namespace) -> int:
     else:
         reconciler.activate()
     log.info("operator %s starting (%s, leader election %s)", identity,
-             "namespaces " + ",".join(args.watch_namespaces) if args.watch_namespaces else "all namespaces",
+             "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
         _run_kopf(reconciler, kube, args, ready)
@@ -95,8 +99,8 @@ def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, read
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    kopf.run(registry=registry, standalone=True, clusterwide=not args.watch_namespaces,
-             namespaces=args.watch_namespaces or (), ready_flag=ready)
+    kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
+             namespaces=args.namespaces or (), ready_flag=ready)
 
 
 def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
@@ -153,7 +157,8 @@ def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.E
                 self._reply(200, b"ok\n")
             elif self.path == "/readyz":
                 role = b"leader" if reconciler.active.is_set() else b"standby"
-                self._reply(200 if ready.is_set() else 503, (b"ready " if ready.is_set() else b"starting ") + role + b"\n")
+                state = b"ready " if ready.is_set() else b"starting "
+                self._reply(200 if ready.is_set() else 503, state + role + b"\n")
             else:
                 self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
 

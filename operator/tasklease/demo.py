@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from tasklease import errors, lease
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
 from tasklease.localcluster import binaries
-from tasklease.localcluster.cluster import LocalCluster
+from tasklease.localcluster.cluster import LocalCluster, free_port
 from tasklease.localcluster.crds import apply_crds
 
 NAMESPACE = "tasklease-demo"
@@ -45,8 +44,8 @@ def main() -> int:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     logs = root / ".cache" / "demo"
     logs.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    operator = _spawn(["operator", f"--watch-namespace={NAMESPACE}", "--no-leader-elect", "--grace=1",
+    port = free_port()
+    operator = _spawn(["operator", "--no-leader-elect", "--grace=1",
                        f"--http-port={port}", "--http-host=127.0.0.1"], env, logs / "operator.log")
     agents: list[subprocess.Popen[bytes]] = []
     try:
@@ -152,12 +151,6 @@ def _kubectl(kubeconfig: Path, *args: str) -> str:
     out = subprocess.run([str(binaries.ensure_kubectl()), f"--kubeconfig={kubeconfig}", "-n", NAMESPACE, *args],
                          capture_output=True, text=True)
     return out.stdout.strip()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _say(message: str) -> None:

@@ -17,8 +17,10 @@ import heapq
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 Monotonic = Callable[[], float]
+K = TypeVar("K", bound=Hashable)
 DEFAULT_GRACE_S = 2.0
 
 
@@ -29,15 +31,15 @@ class Observation:
     duration_s: float
 
 
-class LeaseClock:
+class LeaseClock(Generic[K]):
     """Per held lease: which resourceVersion we saw, and since when."""
 
     def __init__(self, monotonic: Monotonic, *, grace_s: float = DEFAULT_GRACE_S) -> None:
         self.monotonic = monotonic
         self.grace_s = grace_s
-        self._seen: dict[Hashable, Observation] = {}
+        self._seen: dict[K, Observation] = {}
 
-    def observe(self, key: Hashable, resource_version: str, duration_s: float) -> Observation:
+    def observe(self, key: K, resource_version: str, duration_s: float) -> Observation:
         """Record a held lease's version; a version seen before keeps its first sighting."""
         seen = self._seen.get(key)
         if seen is None or seen.resource_version != resource_version:
@@ -45,20 +47,20 @@ class LeaseClock:
             self._seen[key] = seen
         return seen
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: K) -> None:
         self._seen.pop(key, None)
 
-    def expires_at(self, key: Hashable) -> float | None:
+    def expires_at(self, key: K) -> float | None:
         seen = self._seen.get(key)
         return None if seen is None else seen.first_seen + seen.duration_s + self.grace_s
 
-    def expired(self, key: Hashable, resource_version: str) -> bool:
+    def expired(self, key: K, resource_version: str) -> bool:
         seen = self._seen.get(key)
         if seen is None or seen.resource_version != resource_version:
             return False
         return self.monotonic() >= seen.first_seen + seen.duration_s + self.grace_s
 
-    def silent_for(self, key: Hashable) -> float:
+    def silent_for(self, key: K) -> float:
         seen = self._seen.get(key)
         return 0.0 if seen is None else self.monotonic() - seen.first_seen
 
@@ -68,23 +70,23 @@ class LeaseClock:
         self._seen = {k: Observation(o.resource_version, now, o.duration_s) for k, o in self._seen.items()}
 
 
-class DeadlineQueue:
+class DeadlineQueue(Generic[K]):
     """Keys to look at again at a given monotonic time. Stale entries are harmless: the
     reconciler decides from current state, so a wake-up that finds nothing to do is a no-op."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Hashable]] = []
+        self._heap: list[tuple[float, int, K]] = []
         self._counter = itertools.count()
-        self._scheduled: dict[Hashable, float] = {}
+        self._scheduled: dict[K, float] = {}
 
-    def schedule(self, key: Hashable, when: float) -> None:
+    def schedule(self, key: K, when: float) -> None:
         if self._scheduled.get(key) == when:
             return
         self._scheduled[key] = when
         heapq.heappush(self._heap, (when, next(self._counter), key))
 
-    def pop_due(self, now: float) -> list[Hashable]:
-        due = []
+    def pop_due(self, now: float) -> list[K]:
+        due: list[K] = []
         while self._heap and self._heap[0][0] <= now:
             when, _, key = heapq.heappop(self._heap)
             if self._scheduled.get(key) == when:

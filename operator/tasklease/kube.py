@@ -68,12 +68,12 @@ class Kube:
         default_ns = "default"
         try:
             if kubeconfig or os.environ.get("KUBECONFIG") or not os.path.exists(_SA_NAMESPACE):
-                config.load_kube_config(config_file=kubeconfig, context=context,
+                config.load_kube_config(config_file=kubeconfig, context=context,  # type: ignore[no-untyped-call]
                                         client_configuration=configuration)
-                _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+                _, active = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
                 default_ns = (active or {}).get("context", {}).get("namespace") or "default"
             else:
-                config.load_incluster_config(client_configuration=configuration)
+                config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
                 with open(_SA_NAMESPACE) as f:
                     default_ns = f.read().strip()
         except (config.ConfigException, OSError) as exc:

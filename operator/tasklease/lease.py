@@ -210,7 +210,9 @@ def _ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", 
         last = history[-1].model_copy(
             update={"ended_at": now, "outcome": outcome, "message": message[:models.MAX_ERROR_CHARS]})
         history = (*history[:-1], last)
-    error = message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") else rec.error
+    # lastError tells why a task is not done yet; a success has nothing left to explain.
+    error = "" if close == models.Phase.SUCCEEDED.value else (
+        message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") else rec.error)
     return replace(rec, holder="", renewed_at=now, outcome=close, reason=reason, result=result,
                    error=error, not_before=not_before, history=history)
 

@@ -30,7 +30,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
-class BackoffPolicy(str, enum.Enum):
+class BackoffPolicy(enum.StrEnum):
     EXPONENTIAL = "Exponential"
     FIXED = "Fixed"
 
@@ -54,7 +54,7 @@ class Backoff(_Model):
         """Seconds to wait before the attempt that follows `attempt` (1-based)."""
         if self.policy is BackoffPolicy.FIXED:
             return min(self.initial_seconds, self.max_seconds)
-        return min(self.initial_seconds * 2 ** max(attempt - 1, 0), self.max_seconds)
+        return int(min(self.initial_seconds * 2 ** max(attempt - 1, 0), self.max_seconds))
 
 
 class TaskSpec(_Model):
@@ -93,7 +93,7 @@ class TaskSpec(_Model):
         description="Set to true to cancel: the current holder loses its lease and the task ends Cancelled.")
 
 
-class Phase(str, enum.Enum):
+class Phase(enum.StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"

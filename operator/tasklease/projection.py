@@ -97,7 +97,7 @@ def transitions(old: TaskStatus, new: TaskStatus) -> list[Transition]:
                                   f"attempt {a.attempt} of {a.holder}: {a.message or a.outcome.lower()}"))
     moved = new.phase is not old.phase or new.attempt != old.attempt
     if new.phase is Phase.PENDING and new.attempt and moved:
-        when = f"after {new.not_before.isoformat()}" if new.not_before else "now"
+        when = f"at {new.not_before.strftime('%H:%M:%SZ')} (backoff)" if new.not_before else "now"
         out.append(Transition("Normal", "Requeued", f"attempt {new.attempt + 1} may start {when}"))
     if new.phase.terminal and not old.phase.terminal:
         reason = "DeadLettered" if new.reason == "DeadLettered" else new.phase.value

@@ -51,8 +51,8 @@ class Reconciler:
         self._tasks: dict[Key, JSON] = {}
         self._leases: dict[Key, LeaseRecord] = {}
         self._pods_alive: dict[Key, bool] = {}
-        self._lease_clock = LeaseClock(monotonic, grace_s=grace_s)
-        self._deadlines = DeadlineQueue()
+        self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic, grace_s=grace_s)
+        self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
         self._pending: OrderedDict[Key, None] = OrderedDict()
         self._inflight: set[Key] = set()
         self._phases: dict[Key, tuple[str, str]] = {}

@@ -86,7 +86,7 @@ class LocalCluster:
         started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
         pki = self._make_pki()
-        etcd_port, apiserver_port = _free_port(), _free_port()
+        etcd_port, apiserver_port = free_port(), free_port()
         state = ClusterState(
             workdir=str(self.workdir), etcd_port=etcd_port, apiserver_port=apiserver_port,
             pids={}, kubeconfig=str(self.kubeconfig), audit_log=str(self.workdir / "audit.log"),
@@ -146,7 +146,7 @@ class LocalCluster:
             f"--data-dir={self.workdir / 'etcd-data'}",
             f"--listen-client-urls={url}",
             f"--advertise-client-urls={url}",
-            f"--listen-peer-urls=http://127.0.0.1:{_free_port()}",
+            f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
             "--unsafe-no-fsync",
             "--log-level=warn",
         ])
@@ -256,6 +256,15 @@ def admin_kubeconfig(*, server: str, ca: Path, cert: Path, key: Path) -> dict[st
     }
 
 
+def namespaced_kubeconfig(kubeconfig: Path, namespace: str, target: Path) -> Path:
+    """A copy of `kubeconfig` whose context defaults to `namespace`, as a pod's own namespace does."""
+    config = yaml.safe_load(kubeconfig.read_text())
+    for context in config.get("contexts", []):
+        context["context"]["namespace"] = namespace
+    target.write_text(yaml.safe_dump(config))
+    return target
+
+
 def _signed_cert(paths: dict[str, Path], name: str, subject: str, san: str | None, usage: str) -> None:
     key, crt = paths[f"{name}_key"], paths[f"{name}_crt"]
     csr = crt.with_suffix(".csr")
@@ -272,7 +281,8 @@ def _openssl(*args: object) -> None:
     subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
