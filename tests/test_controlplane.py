@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,6 +15,7 @@ from conftest import Cluster, wait_for
 from tasklease import errors
 from tasklease.kube import LEASES, PODS, Kube, Resource
 from tasklease.localcluster import binaries
+from tasklease.localcluster.cluster import LocalCluster, process_alive
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 CONFIGMAPS = Resource("", "v1", "configmaps")
@@ -116,3 +118,29 @@ def test_pod_bound_token_authenticates_and_rbac_refuses_what_is_not_granted(
     with pytest.raises(errors.Forbidden):
         agent.list(CONFIGMAPS)  # not granted at all
     assert json.dumps(kube.get(LEASES, "granted")["spec"]["holderIdentity"]) == '"agent-0"'
+
+
+def test_cluster_up_is_idempotent_and_down_leaves_no_process(cluster: Cluster, tmp_path: Any) -> None:
+    if cluster.version is None:
+        pytest.skip("starts a second local control plane")
+    local = LocalCluster(tmp_path / "second")
+    first = local.up()
+    try:
+        assert local.up().pids == first.pids  # a second `up` finds the running one
+        assert all(process_alive(pid) for pid in first.pids.values())
+    finally:
+        local.down()
+    assert not any(process_alive(pid) for pid in first.pids.values())
+    assert not (tmp_path / "second" / "etcd-data").exists()
+
+
+def test_kubectl_finds_tasklease_as_a_plugin(cluster: Cluster, namespace: str) -> None:
+    import os
+    import sys
+
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "KUBECONFIG": str(cluster.kubeconfig)}
+    out = subprocess.run([str(binaries.ensure_kubectl()), "tasklease", "list", "-n", namespace],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE"]

@@ -73,7 +73,7 @@ class LocalCluster:
         if not path.exists():
             return None
         state = ClusterState(**json.loads(path.read_text()))
-        if not all(_alive(pid) for pid in state.pids.values()):
+        if not all(process_alive(pid) for pid in state.pids.values()):
             return None
         return state if self._ready(state) else None
 
@@ -206,7 +206,7 @@ class LocalCluster:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while time.monotonic() < deadline:
             for name, pid in state.pids.items():
-                if not _alive(pid):
+                if not process_alive(pid):
                     log = self.workdir / "logs" / f"{name}.log"
                     tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                     raise RuntimeError(f"{name} exited during start-up; its log ends with:\n{tail}")
@@ -288,7 +288,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -309,10 +310,10 @@ def _terminate(pid: int, grace_s: float = 10.0) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and process_alive(pid):
         _reap(pid)
         time.sleep(0.05)
-    if _alive(pid):
+    if process_alive(pid):
         os.kill(pid, signal.SIGKILL)
     _reap(pid)
 
