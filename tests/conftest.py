@@ -122,12 +122,14 @@ CLUSTERROLEBINDINGS = Resource("rbac.authorization.k8s.io", "v1", "clusterrolebi
 
 @pytest.fixture(scope="session")
 def chart_roles(cluster: Cluster) -> dict[str, str]:
-    """Render the Helm chart with the real helm and apply its ClusterRoles: the suite runs
-    the operator and agents with exactly the permissions the chart grants."""
+    """Render the Helm chart with the real helm and apply its cluster-wide parts (the
+    ClusterRoles and the agents' admission policy): the suite runs the operator and the
+    agents with exactly the permissions and rules the chart installs."""
     rendered = subprocess.run([str(binaries.ensure_helm()), "template", RELEASE, str(ROOT / "helm" / "tasklease")],
                               check=True, capture_output=True, text=True).stdout
-    roles = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ClusterRole"]
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(roles))
+    kinds = ("ClusterRole", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    wanted = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in kinds]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(wanted))
     return {"operator": f"{RELEASE}-operator", "agent": f"{RELEASE}-agent"}
 
 

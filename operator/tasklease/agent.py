@@ -370,7 +370,7 @@ class Agent:
         for task, rec in lease.pick(candidates, best_of=self.best_of, rng=self.rng):
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
-            except (errors.Conflict, errors.Invalid):
+            except (errors.Conflict, errors.NotClaimable):
                 lost.append(task.name)  # another agent won; the next pick is another task
                 continue
             log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)

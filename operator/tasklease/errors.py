@@ -50,6 +50,10 @@ class Invalid(TaskleaseError):
     exit_code = 9
 
 
+class NotClaimable(Invalid):
+    """The task cannot be claimed in its current state (decided before any write)."""
+
+
 class Conflict(TaskleaseError):
     """409: the object moved since it was read (or already exists). Somebody else's write won."""
 

@@ -267,7 +267,7 @@ class Protocol:
         now = self.clock()
         reason = why_not_claimable(task, rec, now)
         if reason is not None:
-            raise errors.Invalid(f"task {task.namespace}/{task.name} is not claimable: {reason}")
+            raise errors.NotClaimable(f"task {task.namespace}/{task.name} is not claimable: {reason}")
         written = self._write(_claimed(task, rec, holder, now), create=rec is None)
         return Held(namespace=task.namespace, name=task.name, holder=holder, epoch=written.epoch,
                     spec=task.spec, uid=task.uid, record=written)

@@ -1,0 +1,90 @@
+"""The chart's admission policy: the API server itself refuses protocol violations from agents."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Cluster, make_task, service_account_kubeconfig, wait_for
+from tasklease import errors, lease
+from tasklease.agent import Agent, Identity
+from tasklease.kube import LEASES, PODS, Kube
+
+AGENT_SA = "tasklease-agent"
+
+
+def _agent_pod(cluster: Cluster, namespace: str, name: str, role: str, tmp_path: Path) -> Kube:
+    """A Pod object and a kubeconfig with a token bound to it, as the pod would mount."""
+    admin = cluster.kube(namespace)
+    service_account_kubeconfig(cluster, namespace, AGENT_SA, role, tmp_path)  # the ServiceAccount first
+    pod = admin.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                              "spec": {"serviceAccountName": AGENT_SA, "automountServiceAccountToken": False,
+                                       "containers": [{"name": "agent", "image": "agent:dev"}]}})
+    return Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA, role, tmp_path,
+                                                                  pod=pod)))
+
+
+def _refused(write: Any, message: str) -> None:
+    with pytest.raises(errors.TaskleaseError) as refused:
+        write()
+    assert message in str(refused.value), str(refused.value)
+
+
+def test_agents_cannot_break_the_protocol_even_by_hand(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path) -> None:
+    make_task(kube, "guarded", queue="g")
+    alice_kube = _agent_pod(cluster, namespace, "alice", chart_roles["agent"], tmp_path)
+    bob_kube = _agent_pod(cluster, namespace, "bob", chart_roles["agent"], tmp_path)
+    alice = Agent(alice_kube, identity=Identity(pod="alice", instance="1"))
+
+    # The policy is type-checked and loaded asynchronously: wait until it bites.
+    forged = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+              "metadata": {"name": "probe", "labels": {lease.LABEL_MANAGED: "tasklease"}},
+              "spec": {"holderIdentity": "mallory/1", "leaseTransitions": 1}}
+    wait_for(lambda: _denied(lambda: bob_kube.create(LEASES, forged)), timeout=30,
+             message="the admission policy to be active")
+
+    task = alice.claim("g", timeout=30)  # a fair claim passes
+    held = copy.deepcopy(kube.get(LEASES, "guarded"))
+
+    takeover = copy.deepcopy(held)
+    takeover["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
+    _refused(lambda: bob_kube.replace(LEASES, takeover), "this lease is held by another pod")
+    impersonation = copy.deepcopy(held)
+    impersonation["spec"]["holderIdentity"] = "alice/evil"
+    _refused(lambda: bob_kube.replace(LEASES, impersonation), "only hold a lease in its own pod's name")
+    lowered = copy.deepcopy(held)
+    lowered["spec"]["leaseTransitions"] = 0
+    _refused(lambda: alice_kube.replace(LEASES, lowered), "never goes down")
+    handover = copy.deepcopy(held)
+    handover["spec"]["holderIdentity"] = "alice/2"
+    _refused(lambda: alice_kube.replace(LEASES, handover), "cannot hand its lease")
+    _refused(lambda: alice_kube.delete(LEASES, "guarded"), "forbidden")  # RBAC: agents never delete
+
+    task.complete("done")  # the holder's fair completion passes
+    closed = kube.get(LEASES, "guarded")
+    reopened = copy.deepcopy(closed)
+    reopened["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
+    _refused(lambda: bob_kube.replace(LEASES, reopened), "a finished task never runs again")
+
+    unbound = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA,
+                                                                     chart_roles["agent"], tmp_path)))
+    make_task(kube, "second", queue="g2")
+    _refused(lambda: Agent(unbound, identity=Identity(pod="bob", instance="1")).claim_once("g2"),
+             "must authenticate with a token bound to their Pod")
+
+    # A restarted agent of the same pod may still release its previous instance's lease.
+    Agent(bob_kube, identity=Identity(pod="bob", instance="1")).claim_once("g2").detach()
+    assert Agent(bob_kube, identity=Identity(pod="bob", instance="2")).start() == ["second"]
+    alice.close()
+
+
+def _denied(write: Any) -> bool:
+    try:
+        write()
+    except errors.TaskleaseError:
+        return True
+    return False
