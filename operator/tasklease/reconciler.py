@@ -172,10 +172,11 @@ class Reconciler:
     def reconcile(self, key: Key) -> None:
         with self._cond:
             task, rec = self._tasks.get(key), self._leases.get(key)
-        if task is None:
+        if task is None or (rec is not None and rec.owner_uid != task["metadata"]["uid"]):
             if rec is not None:
                 self._remove_orphan(rec)
-            return
+            if task is None:
+                return
         view = TaskView.of(task)
         rec = self._act(view, rec)
         self._project(key, task, rec)
