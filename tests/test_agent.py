@@ -129,3 +129,34 @@ def test_losing_the_lease_interrupts_the_work_in_its_thread(kube: Kube) -> None:
 def _requeue_now(kube: Kube, name: str) -> None:
     protocol = Protocol(kube)
     protocol.requeue(TaskView.of(kube.get(TASKS, name)), protocol.read(kube.namespace, name))
+
+
+def test_a_restarting_agent_leaves_a_live_sibling_alone(kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "shared-pod")
+    make_task(kube, "sibling", queue="s")
+    make_task(kube, "orphan", queue="s2")
+    sibling = Agent(kube)  # this very process: alive
+    held = sibling.claim("s", timeout=30)
+    dead = Agent(kube, identity=Identity(pod="shared-pod", instance="999999.1.dead"))
+    dead.claim("s2", timeout=30).detach()  # a predecessor whose process is gone
+    newcomer = Agent(kube)
+    assert newcomer.start() == ["orphan"]
+    assert lease.decode(kube.get(LEASES, "sibling")).holder == held.holder
+    held.complete("still mine")
+    for a in (sibling, dead, newcomer):
+        a.close()
+
+
+def test_a_completion_retried_after_its_answer_was_lost_counts_once(kube: Kube) -> None:
+    make_task(kube, "retried", queue="retry")
+    agent = Agent(kube, identity=Identity(pod="flaky-network", instance="x"))
+    task = agent.claim("retry", timeout=30)
+    before = task.held
+    agent.protocol.complete(before, "the result")
+    # The same completion again, as after a timeout: the write was applied, so it succeeds.
+    agent.protocol.complete(before, "the result")
+    with pytest.raises(errors.LostLease):
+        agent.protocol.complete(before, "another result")  # a different outcome is not ours to write
+    assert lease.decode(kube.get(LEASES, "retried")).result == "the result"
+    task.detach()
+    agent.close()

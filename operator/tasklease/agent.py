@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -41,11 +42,17 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
+_STOP_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
 class Identity:
-    """`<pod>/<instance>`: the pod survives restarts of the process, the instance does not."""
+    """`<pod>/<instance>`: the pod survives restarts of the process, the instance does not.
+
+    The instance is `<pid>.<start time>.<random>`, so that an agent starting in a pod can
+    tell a dead predecessor (release its leases at once) from a live sibling process in
+    the same container (leave it alone). Agents in *different* containers of one pod cannot
+    see each other's processes: give each container its own TASKLEASE_AGENT_ID."""
 
     pod: str
     instance: str
@@ -53,11 +60,28 @@ class Identity:
     @classmethod
     def from_environment(cls) -> Identity:
         pod = os.environ.get("TASKLEASE_AGENT_ID") or os.environ.get("POD_NAME") or socket.gethostname()
-        return cls(pod=pod, instance=uuid.uuid4().hex[:8])
+        pid = os.getpid()
+        return cls(pod=pod, instance=f"{pid}.{_start_ticks(pid)}.{uuid.uuid4().hex[:4]}")
 
     @property
     def holder(self) -> str:
         return f"{self.pod}/{self.instance}"
+
+
+def instance_alive(instance: str) -> bool:
+    """Whether the process that used `instance` still runs here (same pid, same start time)."""
+    pid, _, rest = instance.partition(".")
+    ticks = rest.partition(".")[0]
+    if not pid.isdigit() or not ticks:
+        return False
+    return _start_ticks(int(pid)) == ticks
+
+
+def _start_ticks(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 class ClaimedTask:
@@ -73,6 +97,7 @@ class ClaimedTask:
         self.lost_reason = ""
         self.on_lost: list[Callable[[ClaimedTask], None]] = []
         self._interrupt = interrupt
+        self._inside = False  # within the `with` block: the only time an interrupt is delivered
         self._monotonic = monotonic
         self._lock = threading.Lock()
         self._done = False
@@ -115,7 +140,7 @@ class ClaimedTask:
         using `tasklease renew`) takes over the renewals."""
         with self._lock:
             self._done = True
-        self._shutdown()
+        self._stop.set()
 
     def check(self) -> None:
         """Raise LostLease if the task is no longer ours: call it between steps of long work."""
@@ -135,13 +160,22 @@ class ClaimedTask:
     # -- context manager ---------------------------------------------------------------
 
     def __enter__(self) -> ClaimedTask:
-        self._owner_thread = threading.current_thread()
-        if self._interrupt and self._owner_thread is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_lost)
+        with self._lock:
+            self._owner_thread = threading.current_thread()
+            if self._interrupt and self._owner_thread is threading.main_thread():
+                self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_lost)
+            self._inside = True
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        with self._lock:
+            # From here on no interrupt is delivered, and the handler goes back in the same
+            # breath: a signal can never meet the default handler (which would end the process).
+            self._inside = False
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGUSR1, self._previous_handler)
+                self._previous_handler = None
         try:
             if not self._done and not self.lost.is_set():
                 if exc is None:
@@ -149,28 +183,22 @@ class ClaimedTask:
                 elif not isinstance(exc, errors.LostLease):
                     self.fail(f"{kind.__name__ if kind else 'error'}: {exc}", retryable=True)
         finally:
-            self._shutdown()
+            self._stop.set()
 
     # -- internals -------------------------------------------------------------------------
 
     def _finish(self, write: Callable[[Held], Held]) -> None:
         with self._lock:
+            self.check()
             if self._done:
                 raise errors.Invalid(f"task {self.namespace}/{self.name}: attempt {self.epoch} already ended")
-            self.check()
             try:
                 self._held = write(self._held)
             except errors.LostLease as exc:
                 self._mark_lost(str(exc))
                 raise
             self._done = True
-        self._shutdown()
-
-    def _shutdown(self) -> None:
         self._stop.set()
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGUSR1, self._previous_handler)
-            self._previous_handler = None
 
     def _renew_loop(self) -> None:
         duration = self._held.duration_s
@@ -181,24 +209,27 @@ class ClaimedTask:
         while not self._stop.wait(wait):
             # Checked before the write: after a pause (SIGSTOP, a long GC) the lease may
             # already belong to someone else, whatever the API server would say.
-            if self._monotonic() - last_ok > renew_deadline:
+            sent = self._monotonic()
+            left = renew_deadline - (sent - last_ok)
+            if left <= 0:
                 self._lose(f"no successful renewal for {renew_deadline:.0f}s (renew deadline)")
                 return
             with self._lock:
                 if self._done:
                     return
                 try:
-                    self._held = self.protocol.renew(self._held)
+                    # A renewal answered after the deadline is worth nothing: bound the wait.
+                    self._held = self.protocol.renew(self._held, timeout=max(min(interval, left), 0.5))
                 except errors.LostLease as exc:
                     self._mark_lost(str(exc))
                     lost = True
                 except errors.TaskleaseError as exc:
                     log.warning("renewing %s/%s failed (%s); retrying", self.namespace, self.name, exc)
-                    wait = _RETRY_S
+                    wait = min(_RETRY_S, max(left - (self._monotonic() - sent), 0.01))
                     continue
                 else:
                     lost = False
-                    last_ok = self._monotonic()
+                    last_ok = sent  # the server saw it no earlier than when we sent it
                     wait = interval
             if lost:
                 self._notify_lost()
@@ -220,8 +251,9 @@ class ClaimedTask:
         log.warning("lost task %s/%s (attempt %d): %s", self.namespace, self.name, self.epoch, self.lost_reason)
         for callback in self.on_lost:
             callback(self)
-        if self._interrupt and not self._stop.is_set():
-            _interrupt_thread(self._owner_thread)
+        with self._lock:
+            if self._interrupt and self._inside:
+                _interrupt_thread(self._owner_thread)
 
     def _raise_lost(self, signum: int, frame: FrameType | None) -> None:
         if self.lost.is_set():
@@ -264,6 +296,8 @@ class Agent:
             rec = lease.decode(obj)
             if rec.state != lease.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
                 continue
+            if instance_alive(rec.holder.rsplit("/", 1)[1]):
+                continue  # a sibling process in this container, not a dead predecessor
             task = self.kube.get_or_none(TASKS, rec.name, namespace=self.namespace)
             if task is None:
                 continue
@@ -278,11 +312,16 @@ class Agent:
             released.append(rec.name)
         return released
 
-    def claim(self, queue: str, *, timeout: float | None = None, interrupt: bool = True) -> ClaimedTask:
-        """Wait (watch-driven, no polling) until a task of `queue` is ours. NothingToClaim on timeout."""
+    def claim(self, queue: str, *, timeout: float | None = None, interrupt: bool = True,
+              stop: threading.Event | None = None) -> ClaimedTask:
+        """Wait (watch-driven, no polling) until a task of `queue` is ours. NothingToClaim on
+        timeout or when `stop` is set. `interrupt`: raise LostLease in the claiming thread if
+        the lease is lost while inside the task's `with` block."""
         view = self.watch(queue)
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
+            if stop is not None and stop.is_set():
+                raise errors.NothingToClaim("stopped")
             since = view.generation()
             claimed, lost = self._try(view.candidates(lease.now_utc()), interrupt=interrupt)
             if claimed is not None:
@@ -301,6 +340,8 @@ class Agent:
             next_ready = view.next_not_before()
             if next_ready is not None:
                 wait = min(wait, max((next_ready - lease.now_utc()).total_seconds(), 0.05))
+            if stop is not None:
+                wait = min(wait, _STOP_CHECK_S)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
@@ -330,10 +371,12 @@ class Agent:
         done = 0
         while not stop.is_set() and (max_tasks is None or done < max_tasks):
             try:
-                task = self.claim(queue, timeout=idle_timeout if idle_timeout is not None else 1.0)
+                task = self.claim(queue, timeout=idle_timeout, stop=stop)
             except errors.NothingToClaim:
-                if idle_timeout is not None:
-                    break
+                break
+            except (errors.Unreachable, errors.ServerError) as exc:
+                log.warning("claiming from %s failed (%s); retrying", queue, exc)
+                stop.wait(_RETRY_S)
                 continue
             try:
                 with task:

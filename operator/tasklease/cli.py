@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except (OSError, ValueError, TimeoutError) as exc:  # a file, a port, a value: still one line
+        print(f"tasklease: {type(exc).__name__}: {_first_line(str(exc))}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:

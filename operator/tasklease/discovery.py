@@ -11,7 +11,7 @@ import threading
 import time
 from datetime import datetime
 
-from tasklease import lease
+from tasklease import errors, lease
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.lease import LeaseRecord, TaskView
 from tasklease.watching import Reflector
@@ -52,8 +52,13 @@ class QueueView:
             r.start()
         deadline = time.monotonic() + timeout_s
         for r in self._reflectors:
-            if not r.synced.wait(max(deadline - time.monotonic(), 0)):
-                raise TimeoutError(f"watch of queue {self.queue!r} did not sync in {timeout_s:.0f}s")
+            while not r.synced.wait(0.1):
+                if r.error is not None or time.monotonic() > deadline:
+                    self.stop()
+                    if isinstance(r.error, errors.TaskleaseError):
+                        raise r.error
+                    raise errors.Unreachable(f"the watch of queue {self.queue!r} did not start: "
+                                             f"{r.error or f'no answer in {timeout_s:.0f}s'}")
 
     def stop(self) -> None:
         for r in self._reflectors:
@@ -66,10 +71,12 @@ class QueueView:
                     and lease.why_not_claimable(t, self._leases.get(name), now) is None]
 
     def next_not_before(self) -> datetime | None:
-        """The earliest backoff end among open tasks: when to look again without an event."""
+        """The earliest backoff still running among open tasks: when to look again without an event."""
+        now = lease.now_utc()
         with self._changed:
             times = [r.not_before for name, r in self._leases.items()
-                     if r.not_before is not None and r.state == lease.FREE and name in self._tasks]
+                     if r.not_before is not None and r.not_before > now and r.state == lease.FREE
+                     and name in self._tasks]
         return min(times) if times else None
 
     def generation(self) -> int:

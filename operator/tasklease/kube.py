@@ -22,6 +22,8 @@ from tasklease import errors, models
 JSON = dict[str, Any]
 # Unknown fields are an error, not silently dropped (outside `payload`, which keeps them).
 _STRICT = {"fieldValidation": "Strict"}
+# Bookmarks arrive about once a minute: a stream silent for longer than this is dead.
+_WATCH_READ_TIMEOUT_S = 90
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -115,12 +117,13 @@ class Kube:
             raise errors.from_status(resp.status, message, path=path)
         return resp
 
-    def get(self, res: Resource, name: str, *, namespace: str | None = None) -> JSON:
-        return self.request("GET", res.path(namespace or self.namespace, name))
+    def get(self, res: Resource, name: str, *, namespace: str | None = None, timeout: float = 30) -> JSON:
+        return self.request("GET", res.path(namespace or self.namespace, name), timeout=timeout)
 
-    def get_or_none(self, res: Resource, name: str, *, namespace: str | None = None) -> JSON | None:
+    def get_or_none(self, res: Resource, name: str, *, namespace: str | None = None,
+                    timeout: float = 30) -> JSON | None:
         try:
-            return self.get(res, name, namespace=namespace)
+            return self.get(res, name, namespace=namespace, timeout=timeout)
         except errors.NotFound:
             return None
 
@@ -129,13 +132,14 @@ class Kube:
         ns = None if all_namespaces else (namespace or self.namespace)
         return self.request("GET", res.path(ns), query=_selectors(label_selector, field_selector))
 
-    def create(self, res: Resource, body: JSON, *, namespace: str | None = None) -> JSON:
-        return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT)
+    def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:
+        return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT, timeout=timeout)
 
-    def replace(self, res: Resource, body: JSON, *, sub: str | None = None) -> JSON:
+    def replace(self, res: Resource, body: JSON, *, sub: str | None = None, timeout: float = 30) -> JSON:
         """A PUT that carries metadata.resourceVersion: the API server answers 409 if it moved."""
         meta = body["metadata"]
-        return self.request("PUT", res.path(meta["namespace"], meta["name"], sub), body=body, query=_STRICT)
+        return self.request("PUT", res.path(meta["namespace"], meta["name"], sub), body=body, query=_STRICT,
+                            timeout=timeout)
 
     def merge_patch(self, res: Resource, name: str, patch: JSON, *, namespace: str | None = None) -> JSON:
         return self.request("PATCH", res.path(namespace or self.namespace, name), body=patch,
@@ -152,7 +156,7 @@ class Kube:
         query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
         resp = self._send("GET", res.path(namespace), query=query, body=None, content_type="application/json",
-                          timeout=(10, timeout_s + 30))
+                          timeout=(10, _WATCH_READ_TIMEOUT_S))
         buffer = b""
         try:
             for chunk in resp.stream(4096, decode_content=False):

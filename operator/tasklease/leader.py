@@ -85,11 +85,15 @@ class LeaderElector:
     def _try_acquire_or_renew(self) -> bool:
         """One step, numbered like client-go's tryAcquireOrRenew."""
         now = _now()
+        # An answer later than this is useless: we must be able to give up within the renew deadline.
+        timeout = max(self.config.renew_deadline_s / 2, 0.5)
         try:
             # 1. Obtain the record, or create it.
-            current = self.kube.get_or_none(LEASES, self.config.name, namespace=self.config.namespace)
+            current = self.kube.get_or_none(LEASES, self.config.name, namespace=self.config.namespace,
+                                            timeout=timeout)
             if current is None:
-                self.kube.create(LEASES, self._record(None, now, transitions=0), namespace=self.config.namespace)
+                self.kube.create(LEASES, self._record(None, now, transitions=0), namespace=self.config.namespace,
+                                 timeout=timeout)
                 return True
             spec = current.get("spec", {})
             holder = spec.get("holderIdentity") or ""
@@ -103,7 +107,7 @@ class LeaderElector:
                 return False
             # 4. Ours, free or expired: a conditional update.
             transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == self.identity else 1)
-            updated = self.kube.replace(LEASES, self._record(current, now, transitions=transitions))
+            updated = self.kube.replace(LEASES, self._record(current, now, transitions=transitions), timeout=timeout)
             self._observed_rv, self._observed_at = updated["metadata"]["resourceVersion"], self.monotonic()
             return True
         except errors.Conflict:

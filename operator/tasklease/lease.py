@@ -45,6 +45,7 @@ ANN_HISTORY: Final = "tasklease.dev/history"
 MANAGED_SELECTOR: Final = f"{LABEL_MANAGED}=tasklease"
 
 FREE, HELD, CLOSED = "free", "held", "closed"
+_TERMINAL = tuple(p.value for p in models.Phase if p.terminal)
 
 
 def now_utc() -> datetime:
@@ -156,14 +157,16 @@ class TaskView:
     spec: models.TaskSpec
     created: str
     status_attempt: int = 0
+    status_phase: str = ""
 
     @classmethod
     def of(cls, task: JSON) -> TaskView:
         meta = task["metadata"]
+        status = task.get("status") or {}
         return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
                    spec=models.TaskSpec.model_validate(task.get("spec", {})),
                    created=meta.get("creationTimestamp", ""),
-                   status_attempt=int((task.get("status") or {}).get("attempt") or 0))
+                   status_attempt=int(status.get("attempt") or 0), status_phase=str(status.get("phase") or ""))
 
 
 def fresh_record(task: TaskView) -> LeaseRecord:
@@ -173,6 +176,8 @@ def fresh_record(task: TaskView) -> LeaseRecord:
 
 def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) -> str | None:
     """None when `task` may be claimed now; otherwise the reason, for logs and errors."""
+    if task.status_phase in _TERMINAL:
+        return f"finished ({task.status_phase})"  # even if its Lease was deleted by hand
     if task.spec.cancel:
         return "cancelled"
     if task.spec.deadline is not None and now >= task.spec.deadline:
@@ -282,11 +287,12 @@ class Protocol:
         return Held(namespace=namespace, name=name, holder=holder, epoch=epoch,
                     spec=view.spec, uid=view.uid, record=rec)
 
-    def renew(self, held: Held) -> Held:
-        """held(A, E) → held(A, E) with a new renewTime. LostLease when it is not ours any more."""
+    def renew(self, held: Held, *, timeout: float = 30) -> Held:
+        """held(A, E) → held(A, E) with a new renewTime. LostLease when it is not ours any more.
+        `timeout` bounds the request: a renewal that arrives after the renew deadline is useless."""
         def renewed(rec: LeaseRecord) -> LeaseRecord:
             return replace(rec, renewed_at=self.clock())
-        return self._as_holder(held, renewed)
+        return self._as_holder(held, renewed, timeout=timeout)
 
     def complete(self, held: Held, result: str) -> Held:
         """held(A, E) → closed(Succeeded, result): the result is accepted only with ownership."""
@@ -341,12 +347,12 @@ class Protocol:
 
     # internals
 
-    def _write(self, rec: LeaseRecord, *, create: bool = False) -> LeaseRecord:
+    def _write(self, rec: LeaseRecord, *, create: bool = False, timeout: float = 30) -> LeaseRecord:
         body = encode(rec)
         if create:
             body["metadata"].pop("resourceVersion", None)
-            return decode(self.kube.create(LEASES, body, namespace=rec.namespace))
-        return decode(self.kube.replace(LEASES, body))
+            return decode(self.kube.create(LEASES, body, namespace=rec.namespace, timeout=timeout))
+        return decode(self.kube.replace(LEASES, body, timeout=timeout))
 
     def _ours(self, namespace: str, name: str, *, holder: str, epoch: int) -> LeaseRecord:
         rec = self.read(namespace, name)
@@ -357,19 +363,35 @@ class Protocol:
             raise errors.LostLease(f"task {namespace}/{name}: attempt {epoch} of {holder} is over (now {now})")
         return rec
 
-    def _as_holder(self, held: Held, change: Callable[[LeaseRecord], LeaseRecord]) -> Held:
+    def _as_holder(self, held: Held, change: Callable[[LeaseRecord], LeaseRecord], *,
+                   timeout: float = 30) -> Held:
         """Apply `change` to the Lease as we last wrote it: one PUT. A 409 is re-read: an
-        unrelated write (a label added by hand) leaves ownership intact and is retried;
+        unrelated write (a label added by hand) leaves ownership intact and is retried; our
+        own earlier write whose answer was lost (a retried completion) counts as done;
         anything else is a lost lease."""
         rec = held.record
+        intended = change(rec)
         for _ in range(5):
             try:
-                return replace(held, record=self._write(change(rec)))
+                return replace(held, record=self._write(change(rec), timeout=timeout))
             except errors.Conflict:
+                current = self.read(held.namespace, held.name)
+                if current is not None and _already_applied(current, intended, held):
+                    return replace(held, record=current)
                 rec = self._ours(held.namespace, held.name, holder=held.holder, epoch=held.epoch)
             except errors.NotFound:
                 raise errors.LostLease(f"task {held.namespace}/{held.name}: its lease is gone") from None
         raise errors.LostLease(f"task {held.namespace}/{held.name}: the lease keeps changing under its holder")
+
+
+def _already_applied(current: LeaseRecord, intended: LeaseRecord, held: Held) -> bool:
+    """True when `current` is the end of attempt `held.epoch` that `intended` describes."""
+    if intended.state == HELD or current.epoch != held.epoch or not current.history:
+        return False
+    last = current.history[-1]
+    return (last.attempt, last.holder) == (held.epoch, held.holder) and (
+        current.state, current.outcome, current.result, last.outcome) == (
+        intended.state, intended.outcome, intended.result, intended.history[-1].outcome)
 
 
 def pick(candidates: list[tuple[TaskView, LeaseRecord | None]], *, best_of: int,

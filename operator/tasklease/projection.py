@@ -28,6 +28,9 @@ class Transition:
 def project(task: dict[str, Any], rec: LeaseRecord | None, *, now: datetime) -> TaskStatus:
     old = models.TaskStatus.model_validate(task.get("status") or {})
     generation = int(task["metadata"].get("generation") or 0)
+    if old.phase.terminal and (rec is None or rec.state != lease.CLOSED):
+        # I4: a terminal phase is final, even if its Lease was deleted by hand.
+        return old
     if rec is None or rec.owner_uid != task["metadata"]["uid"]:
         status = TaskStatus(phase=Phase.PENDING, reason="Waiting", attempt=old.attempt, history=old.history)
     else:

@@ -36,12 +36,15 @@ log = logging.getLogger("tasklease.operator")
 Key = tuple[str, str]  # (namespace, name)
 _TERMINATED_POD_PHASES = ("Succeeded", "Failed")
 _MAX_WAIT_S = 5.0
+_CONFLICT_RETRY_S = 0.2
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, *, grace_s: float, workers: int = 2, monotonic: Monotonic = time.monotonic,
-                 clock: Callable[[], datetime] = lease.now_utc, component: str = "tasklease-operator") -> None:
+    def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
+                 monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = lease.now_utc,
+                 component: str = "tasklease-operator") -> None:
         self.kube = kube
+        self.namespaces = namespaces  # None: all
         self.protocol = Protocol(kube, clock=clock)
         self.clock = clock
         self.monotonic = monotonic
@@ -100,13 +103,30 @@ class Reconciler:
                         self._enqueue(key)
 
     def activate(self) -> None:
-        """Start acting (we lead): every held lease gets a full duration from now."""
+        """Start acting (we lead): every held lease gets a full duration from now. The Leases
+        are listed once first, so no Task is judged before its Lease is known."""
+        self._seed_leases()
         with self._cond:
             self._lease_clock.restart_all()
             self.active.set()
             metrics.LEADER.set(1)
             for key in set(self._tasks) | set(self._leases):
                 self._enqueue(key)
+
+    def _seed_leases(self) -> None:
+        scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
+        for ns in scopes:
+            try:
+                listed = self.kube.list(LEASES, namespace=ns, all_namespaces=ns is None,
+                                        label_selector=lease.MANAGED_SELECTOR)
+            except errors.TaskleaseError as exc:
+                log.warning("could not list Leases before acting (%s); relying on the watch", exc)
+                return
+            for obj in listed.get("items", []):
+                with self._cond:
+                    known = (obj["metadata"]["namespace"], obj["metadata"]["name"]) in self._leases
+                if not known:
+                    self.on_lease("ADDED", obj)
 
     def deactivate(self) -> None:
         self.active.clear()
@@ -131,7 +151,9 @@ class Reconciler:
                 if self.active.is_set():
                     self.reconcile(key)
             except errors.Conflict:
-                self._enqueue_locked(key)
+                # Our picture is behind; the watch brings the newer version in a moment.
+                with self._cond:
+                    self._deadlines.schedule(key, self.monotonic() + _CONFLICT_RETRY_S)
             except errors.TaskleaseError as exc:
                 log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
                 with self._cond:
@@ -188,11 +210,17 @@ class Reconciler:
             return rec
         key = (view.namespace, view.name)
         if view.spec.cancel:
-            return self._remember(self.protocol.close(view, rec, phase=Phase.CANCELLED, reason="Cancelled",
-                                                      message="cancelled on request (spec.cancel)"))
+            return self._remember(rec, self.protocol.close(view, rec, phase=Phase.CANCELLED, reason="Cancelled",
+                                                           message="cancelled on request (spec.cancel)"))
         if view.spec.deadline is not None and self.clock() >= view.spec.deadline:
-            return self._remember(self.protocol.close(view, rec, phase=Phase.FAILED, reason="DeadlineExceeded",
-                                                      message=f"deadline {view.spec.deadline.isoformat()} passed"))
+            return self._remember(rec, self.protocol.close(
+                view, rec, phase=Phase.FAILED, reason="DeadlineExceeded",
+                message=f"deadline {view.spec.deadline.isoformat()} passed"))
+        if rec is not None and rec.state == lease.FREE and rec.epoch >= view.spec.max_attempts:
+            # maxAttempts was lowered below the attempts already made: nobody may claim it again.
+            return self._remember(rec, self.protocol.close(
+                view, rec, phase=Phase.FAILED, reason="DeadLettered",
+                message=f"all {view.spec.max_attempts} attempts are spent"))
         if rec is None or rec.state != lease.HELD:
             return rec
         with self._cond:
@@ -207,7 +235,7 @@ class Reconciler:
         metrics.TIME_TO_REQUEUE.labels(cause).observe(silent)
         log.info("task %s/%s: expired attempt %d of %s (%s, silent %.1fs)", view.namespace, view.name, rec.epoch,
                  rec.holder, cause, silent)
-        return self._remember(written)
+        return self._remember(rec, written)
 
     def _project(self, key: Key, task: JSON, rec: LeaseRecord | None) -> None:
         """Step 3: write the status if it changed, then tell people what happened."""
@@ -224,9 +252,18 @@ class Reconciler:
         except errors.Conflict:
             metrics.STATUS_WRITES.labels("conflict").inc()
             raise
+        except errors.NotFound:
+            # Gone while we looked (a relist may not report it as deleted): forget it.
+            with self._cond:
+                if self._tasks.get(key) is task:
+                    self._tasks.pop(key)
+                    self._set_phase(key, None)
+            return
         metrics.STATUS_WRITES.labels("ok").inc()
         with self._cond:
-            if key in self._tasks:
+            # Keep our write only if the watch has not brought anything newer meanwhile
+            # (a cancel made right after our write must not be hidden by it).
+            if self._tasks.get(key) is task:
                 self._tasks[key] = written
         for t in projection.transitions(old, new):
             self._announce(written, t, queue)
@@ -268,12 +305,17 @@ class Reconciler:
             if wakes:
                 self._deadlines.schedule(key, min(wakes))
 
-    def _remember(self, rec: LeaseRecord) -> LeaseRecord:
+    def _remember(self, before: LeaseRecord | None, after: LeaseRecord) -> LeaseRecord:
+        """Cache our own write, unless the watch already brought something newer (say, the
+        next claim): that must keep its own observation time, or it would never expire."""
+        key = (after.namespace, after.name)
         with self._cond:
-            self._leases[(rec.namespace, rec.name)] = rec
-            if rec.state != lease.HELD:
-                self._lease_clock.forget((rec.namespace, rec.name))
-        return rec
+            current = self._leases.get(key)
+            if current is None or before is None or current.resource_version == before.resource_version:
+                self._leases[key] = after
+                if after.state != lease.HELD:
+                    self._lease_clock.forget(key)
+        return after
 
     def _remove_orphan(self, rec: LeaseRecord) -> None:
         """A Lease whose Task is gone, or belongs to an older Task of the same name. The

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 EXIT_COMMAND_FAILED = 11
 EXIT_STOPPED = 143
+_DRAIN_S = 2.0
 
 
 class Runner:
@@ -45,15 +46,29 @@ class Runner:
         while not self.stopping.is_set():
             try:
                 task = self.agent.claim(self.queue, timeout=wait_s if wait_s is not None else (None if loop else 0),
-                                        interrupt=False)
+                                        interrupt=False, stop=self.stopping)
             except errors.NothingToClaim:
-                if loop and code == 0:
-                    return 0
+                if self.stopping.is_set():
+                    break
+                if loop:
+                    return code
                 raise
-            code = self._run_one(task)
+            except (errors.Unreachable, errors.ServerError) as exc:
+                if not loop:
+                    raise
+                log.warning("claiming from %s failed (%s); retrying", self.queue, exc)
+                self.stopping.wait(1.0)
+                continue
+            try:
+                code = self._run_one(task)
+            except errors.LostLease as exc:
+                if not loop:
+                    raise
+                log.warning("%s", exc)  # the next task is another attempt: keep going
+                code = errors.LostLease.exit_code
             if not loop:
                 return code
-        return EXIT_STOPPED if self.stopping.is_set() else code
+        return EXIT_STOPPED
 
     def _run_one(self, task: ClaimedTask) -> int:
         payload = json.dumps(task.payload, separators=(",", ":"))
@@ -78,7 +93,12 @@ class Runner:
         except BrokenPipeError:
             pass  # the command does not read stdin: fine
         code = child.wait()
-        reader.join()
+        reader.join(_DRAIN_S)
+        if reader.is_alive():
+            # Something the command started in the background still holds its stdout:
+            # the command is over, and so is its process group.
+            _signal_group(child, signal.SIGTERM)
+            reader.join(_DRAIN_S)
         self._child = None
         if task.lost.is_set():
             raise errors.LostLease(f"lost {task.namespace}/{task.name} (attempt {task.epoch}): {task.lost_reason}; "
@@ -122,12 +142,17 @@ class _Tail:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.buffer = b""
+        self.echo = True
 
     def pump(self, stream: object) -> None:
         for chunk in iter(lambda: stream.read1(65536), b""):  # type: ignore[attr-defined]
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.buffer.flush()
             self.buffer = (self.buffer + chunk)[-self.limit * 4:]
+            if self.echo:
+                try:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.flush()
+                except OSError:  # our stdout went away (`| head`): keep draining the command's
+                    self.echo = False
 
     def text(self) -> str:
         return self.buffer.decode(errors="replace")[-self.limit:].rstrip("\n")

@@ -34,6 +34,7 @@ class Reflector:
         self.watch_timeout_s = watch_timeout_s
         self.store: dict[str, JSON] = {}
         self.synced = threading.Event()
+        self.error: Exception | None = None  # the last failure, until the next success
         self._stop = threading.Event()
         self._rv = ""
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
@@ -53,10 +54,13 @@ class Reflector:
             except errors.Gone:
                 self._rv = ""
             except (errors.Unreachable, errors.ServerError) as exc:
+                self.error = exc
                 log.warning("watch of %s interrupted (%s); resuming", self.resource.plural, exc)
                 self._stop.wait(_RETRY_S)
-            except errors.TaskleaseError as exc:
-                log.error("watch of %s failed: %s", self.resource.plural, exc)
+            except Exception as exc:  # noqa: BLE001 - a dead watch thread would freeze the agent's view
+                self.error = exc
+                log.error("watch of %s failed: %s; starting over", self.resource.plural, exc)
+                self._rv = ""
                 self._stop.wait(_RETRY_S)
 
     def _relist(self) -> None:
@@ -64,11 +68,12 @@ class Reflector:
                                 field_selector=self.field_selector)
         fresh = {o["metadata"]["name"]: o for o in listed.get("items", [])}
         for name in set(self.store) - set(fresh):
-            self.listener("DELETED", self.store.pop(name))
+            self._deliver("DELETED", self.store.pop(name))
         for name, obj in fresh.items():
             self.store[name] = obj
-            self.listener("ADDED", obj)
+            self._deliver("ADDED", obj)
         self._rv = listed["metadata"]["resourceVersion"]
+        self.error = None
         self.synced.set()
 
     def _watch(self) -> None:
@@ -90,4 +95,12 @@ class Reflector:
                 self.store.pop(name, None)
             else:
                 self.store[name] = obj
+            self._deliver(kind, obj)
+
+    def _deliver(self, kind: str, obj: JSON) -> None:
+        """One bad object (say, a hand-edited annotation) must not stop the stream."""
+        try:
             self.listener(kind, obj)
+        except Exception:  # noqa: BLE001
+            log.exception("skipping %s %s/%s: it could not be read", self.resource.plural,
+                          obj.get("metadata", {}).get("namespace"), obj.get("metadata", {}).get("name"))

@@ -24,6 +24,7 @@ def main() -> int:
     print(json.dumps({"claimed": task.name, "epoch": task.epoch, "holder": task.holder}), flush=True)
     while not go.exists():
         time.sleep(0.05)
+    task.lost.wait(10)  # after a pause, the renew thread needs a moment to notice
     report = {"lost": task.lost.is_set(), "lost_reason": task.lost_reason}
     for step, call in (("renew", lambda: agent.protocol.renew(task.held)),
                        ("complete", lambda: agent.protocol.complete(task.held, "stale result"))):
