@@ -4,8 +4,10 @@ Throughput (the same tasks, the same number of workers, no-op work):
 - baseline `mv`: the file-based claiming users came from (seed study): an atomic rename
   per claim and per completion on a local disk. No expiry, no fencing, one machine.
 - baseline raw Lease: the API server's floor: one create (claim) and one conditional PUT
-  (complete) per task, with the task list known in advance. No discovery, no renewal.
+  (complete) per task, each worker with its own share known in advance: no discovery, no
+  races, no renewal.
 - tasklease: the agent SDK (watch-based discovery, randomized choice, renewal threads).
+Lease workers are separate processes, as agents are separate pods.
 
 Recovery: agents holding a task are killed with SIGKILL; time until each task is
 claimable again, through lease expiry (the bound is lease duration + grace) beside the
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-
+import json
 import os
 import shutil
 import signal
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from tasklease import errors, lease
-from tasklease.agent import Agent, ClaimedTask, Identity
+from tasklease.agent import Agent, Identity
 from tasklease.kube import LEASES, NAMESPACES, PODS, TASKS, Kube
 from tasklease.localcluster.cluster import LocalCluster, free_port, namespaced_kubeconfig
 from tasklease.localcluster.crds import apply_crds
@@ -46,7 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
+    parser.add_argument("--worker", choices=["raw", "sdk"], help=argparse.SUPPRESS)
+    parser.add_argument("--kubeconfig", help=argparse.SUPPRESS)
+    parser.add_argument("--go", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.kubeconfig, args.go, args.index, args.tasks, args.workers)))
+        return 0
 
     root = Path.cwd()
     state = LocalCluster(root / ".cache" / "cluster", root / ".cache" / "kubeconfig").up()
@@ -57,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [
         ("baseline: mv on a local disk", _bench_mv(args.tasks, args.workers)),
-        ("baseline: raw Lease create + PUT", _in_namespace(kubeconfig, lambda k: _bench_raw(k, args))),
+        ("baseline: raw Lease create + PUT", _in_namespace(kubeconfig, functools.partial(
+            _bench_raw, kubeconfig=kubeconfig, args=args))),
         ("tasklease agent SDK", _in_namespace(kubeconfig, functools.partial(_bench_sdk, kubeconfig=kubeconfig,
                                                                              args=args))),
     ]
@@ -107,72 +117,91 @@ def _bench_mv(tasks: int, workers: int) -> dict[str, float]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _bench_raw(kube: Kube, args: argparse.Namespace) -> dict[str, float]:
-    names = [f"raw-{i:04d}" for i in range(args.tasks)]
-    latencies: list[float] = []
-    conflicts = [0]
-    lock = threading.Lock()
-    cursor = iter(names)
-
-    def worker(me: int) -> None:
-        for name in _locked_iter(cursor, lock):
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
-                    "spec": {"holderIdentity": f"w{me}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
-            started = time.perf_counter()
-            try:
-                created = kube.create(LEASES, body)
-            except errors.Conflict:
-                conflicts[0] += 1
-                continue
-            latencies.append(time.perf_counter() - started)
-            created["spec"]["holderIdentity"] = None
-            kube.replace(LEASES, created)
-
-    elapsed = _threads(args.workers, worker)
-    return {"rate": args.tasks / elapsed, "conflicts": conflicts[0], **_percentiles(latencies)}
+def _bench_raw(kube: Kube, *, kubeconfig: Path, args: argparse.Namespace) -> dict[str, float]:
+    return _run_workers("raw", kube, kubeconfig, args)
 
 
 def _bench_sdk(kube: Kube, *, kubeconfig: Path, args: argparse.Namespace) -> dict[str, float]:
     for i in range(args.tasks):
         kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task",
                             "metadata": {"name": f"sdk-{i:04d}"}, "spec": {"queue": "bench"}})
-    agents = [Agent(Kube.connect(kubeconfig=str(kubeconfig), namespace=kube.namespace),
-                    identity=Identity(pod=f"bench-{i}", instance="x")) for i in range(args.workers)]
-    for a in agents:
-        a.watch("bench")  # start the watches before the clock does
-    done = [0]
-    lock = threading.Lock()
-    stop = threading.Event()
+    return _run_workers("sdk", kube, kubeconfig, args)
+
+
+def _run_workers(mode: str, kube: Kube, kubeconfig: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One process per worker, as agents are separate pods; the clock starts when all are ready."""
+    config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+    go = kubeconfig.parent / f"{kube.namespace}.go"
+    procs = [subprocess.Popen([sys.executable, "-m", "tasklease.bench", "--worker", mode, "--kubeconfig", str(config),
+                               "--go", str(go), "--index", str(i), "--tasks", str(args.tasks),
+                               "--workers", str(args.workers)],
+                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+             for i in range(args.workers)]
+    for proc in procs:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"bench worker ({mode}) did not start")
+    started = time.time()
+    go.touch()
+    reports = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=600)
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    go.unlink()
+    done = sum(r["done"] for r in reports)
+    if done != args.tasks:
+        raise RuntimeError(f"bench ({mode}): {done} of {args.tasks} tasks done")
+    latencies = [x for r in reports for x in r["latencies"]]
+    finished = max(r["last"] for r in reports)
+    return {"rate": args.tasks / (finished - started), "conflicts": sum(r["conflicts"] for r in reports),
+            **_percentiles(latencies)}
+
+
+def _worker(mode: str, kubeconfig: str, go: Path, index: int, tasks: int, workers: int) -> dict[str, object]:
+    kube = Kube.connect(kubeconfig=kubeconfig)
     latencies: list[float] = []
-    conflicts = [0]
-
-    def handler(task: ClaimedTask) -> str:
-        with lock:
-            done[0] += 1
-            if done[0] >= args.tasks:
-                stop.set()
-        return "ok"
-
-    def worker(me: int) -> None:
-        agent = agents[me]
+    conflicts = 0
+    done = 0
+    if mode == "raw":
+        names = [f"raw-{i:04d}" for i in range(index, tasks, workers)]  # no races: the floor
+        print("ready", flush=True)
+        _wait_for(go)
+        for name in names:
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
+                    "spec": {"holderIdentity": f"w{index}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
+            started = time.perf_counter()
+            created = kube.create(LEASES, body)
+            latencies.append(time.perf_counter() - started)
+            created["spec"]["holderIdentity"] = None
+            kube.replace(LEASES, created)
+            done += 1
+    else:
+        agent = Agent(kube, identity=Identity(pod=f"bench-{index}", instance=f"{os.getpid()}"))
+        agent.watch("bench")
         original = agent.protocol.claim
 
         def timed_claim(*a: object, **kw: object) -> lease.Held:
+            nonlocal conflicts
             started = time.perf_counter()
             try:
                 held = original(*a, **kw)  # type: ignore[arg-type]
             except errors.Conflict:
-                conflicts[0] += 1
+                conflicts += 1
                 raise
             latencies.append(time.perf_counter() - started)
             return held
         agent.protocol.claim = timed_claim  # type: ignore[method-assign]
-        agent.work("bench", handler, stop=stop)
+        print("ready", flush=True)
+        _wait_for(go)
+        done = agent.work("bench", lambda task: "ok", idle_timeout=2.0)
+        agent.close()
+    last = time.time() - (2.0 if mode == "sdk" else 0.0)  # the idle wait that told us we were done
+    return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last}
 
-    elapsed = _threads(args.workers, worker)
-    for a in agents:
-        a.close()
-    return {"rate": args.tasks / elapsed, "conflicts": conflicts[0], **_percentiles(latencies)}
+
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.005)
 
 
 # -- recovery -------------------------------------------------------------------------------------
@@ -246,15 +275,6 @@ def _threads(n: int, target: Callable[[int], None]) -> float:
     for t in threads:
         t.join()
     return time.perf_counter() - started
-
-
-def _locked_iter(it: object, lock: threading.Lock):  # type: ignore[no-untyped-def]
-    while True:
-        with lock:
-            item = next(it, None)  # type: ignore[call-overload]
-        if item is None:
-            return
-        yield item
 
 
 def _percentiles(latencies: list[float]) -> dict[str, float]:
