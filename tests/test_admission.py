@@ -77,7 +77,7 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
              "must authenticate with a token bound to their Pod")
 
     # A restarted agent of the same pod may still release its previous instance's lease.
-    Agent(bob_kube, identity=Identity(pod="bob", instance="1")).claim_once("g2").detach()
+    Agent(bob_kube, identity=Identity(pod="bob", instance="999999.1.gone")).claim_once("g2").detach()
     assert Agent(bob_kube, identity=Identity(pod="bob", instance="2")).start() == ["second"]
     alice.close()
 

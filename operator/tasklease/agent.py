@@ -43,6 +43,7 @@ RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
 _STOP_CHECK_S = 0.5
+_FINISH_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,12 @@ class Identity:
     instance: str
 
     @classmethod
-    def from_environment(cls) -> Identity:
+    def from_environment(cls, *, handed_over: bool = False) -> Identity:
+        """`handed_over`: for a claim passed on to a shell script (`tasklease claim`), whose
+        process lives on after ours: `start()` of a later agent never releases it."""
         pod = os.environ.get("TASKLEASE_AGENT_ID") or os.environ.get("POD_NAME") or socket.gethostname()
+        if handed_over:
+            return cls(pod=pod, instance=f"shell.{uuid.uuid4().hex[:8]}")
         pid = os.getpid()
         return cls(pod=pod, instance=f"{pid}.{_start_ticks(pid)}.{uuid.uuid4().hex[:4]}")
 
@@ -68,13 +73,15 @@ class Identity:
         return f"{self.pod}/{self.instance}"
 
 
-def instance_alive(instance: str) -> bool:
-    """Whether the process that used `instance` still runs here (same pid, same start time)."""
+def instance_gone(instance: str) -> bool:
+    """True only when we know the process that used `instance` no longer runs here: its pid
+    is free or reused (another start time). Anything else (a `tasklease claim` whose shell
+    script carries on, a start time this system cannot tell) counts as alive."""
     pid, _, rest = instance.partition(".")
     ticks = rest.partition(".")[0]
-    if not pid.isdigit() or not ticks:
+    if not pid.isdigit() or not ticks.isdigit() or not _start_ticks(os.getpid()):
         return False
-    return _start_ticks(int(pid)) == ticks
+    return _start_ticks(int(pid)) != ticks
 
 
 def _start_ticks(pid: int) -> str:
@@ -98,6 +105,7 @@ class ClaimedTask:
         self.on_lost: list[Callable[[ClaimedTask], None]] = []
         self._interrupt = interrupt
         self._inside = False  # within the `with` block: the only time an interrupt is delivered
+        self._exiting = False  # set first thing in __exit__, before taking the lock
         self._monotonic = monotonic
         self._lock = threading.Lock()
         self._done = False
@@ -165,18 +173,20 @@ class ClaimedTask:
             if self._interrupt and self._owner_thread is threading.main_thread():
                 self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_lost)
             self._inside = True
+        self.check()  # lost before the work even started: no interrupt would come
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        with self._lock:
-            # From here on no interrupt is delivered, and the handler goes back in the same
-            # breath: a signal can never meet the default handler (which would end the process).
-            self._inside = False
-            if self._previous_handler is not None:
-                signal.signal(signal.SIGUSR1, self._previous_handler)
-                self._previous_handler = None
+        self._exiting = True  # a signal arriving from here on raises nothing
         try:
+            with self._lock:
+                # No interrupt is delivered from here on, and the handler goes back in the same
+                # breath: a signal never meets the default handler (which would end the process).
+                self._inside = False
+                if self._previous_handler is not None:
+                    signal.signal(signal.SIGUSR1, self._previous_handler)
+                    self._previous_handler = None
             if not self._done and not self.lost.is_set():
                 if exc is None:
                     self.release("left the work without an outcome")
@@ -192,11 +202,20 @@ class ClaimedTask:
             self.check()
             if self._done:
                 raise errors.Invalid(f"task {self.namespace}/{self.name}: attempt {self.epoch} already ended")
-            try:
-                self._held = write(self._held)
-            except errors.LostLease as exc:
-                self._mark_lost(str(exc))
-                raise
+            for attempt in range(_FINISH_TRIES):
+                try:
+                    self._held = write(self._held)
+                    break
+                except errors.LostLease as exc:
+                    self._mark_lost(str(exc))
+                    raise
+                except (errors.Unreachable, errors.ServerError) as exc:
+                    # The write may have been applied and only its answer lost: the retry
+                    # sees a 409, re-reads, and recognises its own outcome.
+                    if attempt + 1 == _FINISH_TRIES:
+                        raise
+                    log.warning("ending %s/%s failed (%s); retrying", self.namespace, self.name, exc)
+                    time.sleep(_RETRY_S)
             self._done = True
         self._stop.set()
 
@@ -207,40 +226,31 @@ class ClaimedTask:
         last_ok = self._monotonic()
         wait = interval
         while not self._stop.wait(wait):
-            # Checked before the write: after a pause (SIGSTOP, a long GC) the lease may
-            # already belong to someone else, whatever the API server would say.
-            sent = self._monotonic()
-            left = renew_deadline - (sent - last_ok)
-            if left <= 0:
-                self._lose(f"no successful renewal for {renew_deadline:.0f}s (renew deadline)")
-                return
             with self._lock:
                 if self._done:
                     return
-                try:
-                    # A renewal answered after the deadline is worth nothing: bound the wait.
-                    self._held = self.protocol.renew(self._held, timeout=max(min(interval, left), 0.5))
-                except errors.LostLease as exc:
-                    self._mark_lost(str(exc))
-                    lost = True
-                except errors.TaskleaseError as exc:
-                    log.warning("renewing %s/%s failed (%s); retrying", self.namespace, self.name, exc)
-                    wait = min(_RETRY_S, max(left - (self._monotonic() - sent), 0.01))
-                    continue
+                # Checked before every write: after a pause (SIGSTOP, a long GC, a slow
+                # answer) the lease may already belong to someone else, whatever the API
+                # server would say now.
+                sent = self._monotonic()
+                left = renew_deadline - (sent - last_ok)
+                lost = left <= 0
+                if lost:
+                    self._mark_lost(f"no successful renewal for {renew_deadline:.0f}s (renew deadline)")
                 else:
-                    lost = False
-                    last_ok = sent  # the server saw it no earlier than when we sent it
-                    wait = interval
+                    try:
+                        # A renewal answered after the deadline is worth nothing: bound the wait.
+                        self._held = self.protocol.renew(self._held, timeout=max(min(interval, left), 0.2))
+                        last_ok, wait = sent, interval  # the server saw it no earlier than we sent it
+                    except errors.LostLease as exc:
+                        self._mark_lost(str(exc))
+                        lost = True
+                    except errors.TaskleaseError as exc:
+                        log.warning("renewing %s/%s failed (%s); retrying", self.namespace, self.name, exc)
+                        wait = min(_RETRY_S, max(left - (self._monotonic() - sent), 0.01))
             if lost:
                 self._notify_lost()
                 return
-
-    def _lose(self, reason: str) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._mark_lost(reason)
-        self._notify_lost()
 
     def _mark_lost(self, reason: str) -> None:
         self.lost_reason = reason
@@ -252,11 +262,11 @@ class ClaimedTask:
         for callback in self.on_lost:
             callback(self)
         with self._lock:
-            if self._interrupt and self._inside:
+            if self._interrupt and self._inside and not self._exiting:
                 _interrupt_thread(self._owner_thread)
 
     def _raise_lost(self, signum: int, frame: FrameType | None) -> None:
-        if self.lost.is_set():
+        if self.lost.is_set() and self._inside and not self._exiting:
             raise errors.LostLease(self.lost_reason)
 
 
@@ -296,7 +306,7 @@ class Agent:
             rec = lease.decode(obj)
             if rec.state != lease.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
                 continue
-            if instance_alive(rec.holder.rsplit("/", 1)[1]):
+            if not instance_gone(rec.holder.rsplit("/", 1)[1]):
                 continue  # a sibling process in this container, not a dead predecessor
             task = self.kube.get_or_none(TASKS, rec.name, namespace=self.namespace)
             if task is None:

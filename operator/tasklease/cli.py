@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
-    except (OSError, ValueError, TimeoutError) as exc:  # a file, a port, a value: still one line
-        print(f"tasklease: {type(exc).__name__}: {_first_line(str(exc))}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # a file, a port, a value: still one line, all of it
+        print(f"tasklease: {type(exc).__name__}: {'; '.join(str(exc).split(chr(10)))}", file=sys.stderr)
         return 1
 
 
@@ -209,7 +209,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 
 def cmd_claim(args: argparse.Namespace) -> int:
-    agent = Agent(_kube(args), identity=Identity.from_environment())
+    agent = Agent(_kube(args), identity=Identity.from_environment(handed_over=True))
     task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
             else agent.claim_once(args.queue))
     # The CLI returns at once: the caller renews (tasklease renew) from here on.
@@ -227,29 +227,38 @@ def cmd_claim(args: argparse.Namespace) -> int:
 
 
 def cmd_renew(args: argparse.Namespace) -> int:
-    protocol, held = _adopt(args)
-    protocol.renew(held)
+    protocol = _protocol(args)
+    protocol.renew(_adopt(args, protocol))
     return 0
 
 
 def cmd_complete(args: argparse.Namespace) -> int:
-    protocol, held = _adopt(args)
     result = args.result
     if args.result_file:
         result = sys.stdin.read() if args.result_file == "-" else Path(args.result_file).read_text()
-    protocol.complete(held, result)
-    return 0
+    return _end(args, "Succeeded", lambda p, h: p.complete(h, result), result=result)
 
 
 def cmd_fail(args: argparse.Namespace) -> int:
-    protocol, held = _adopt(args)
-    protocol.fail(held, args.message, retryable=not args.final)
-    return 0
+    return _end(args, "Failed", lambda p, h: p.fail(h, args.message, retryable=not args.final))
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    protocol, held = _adopt(args)
-    protocol.release(held)
+    return _end(args, "Released", lambda p, h: p.release(h))
+
+
+def _end(args: argparse.Namespace, outcome: str, write: Callable[[Protocol, lease.Held], object],
+         result: str | None = None) -> int:
+    """End the attempt; a retry of an ending whose answer was lost (a timeout) succeeds."""
+    protocol = _protocol(args)
+    try:
+        held = _adopt(args, protocol)
+    except errors.LostLease:
+        if protocol.ended_as(protocol.kube.namespace, args.name, holder=args.holder, epoch=args.epoch,
+                             outcome=outcome, result=result):
+            return 0
+        raise
+    write(protocol, held)
     return 0
 
 
@@ -293,13 +302,15 @@ def _kube(args: argparse.Namespace) -> Kube:
     return kube
 
 
-def _adopt(args: argparse.Namespace) -> tuple[Protocol, lease.Held]:
+def _protocol(args: argparse.Namespace) -> Protocol:
     if not args.name or not args.holder or args.epoch is None:
         raise errors.Invalid("need the task name, --holder and --epoch (or TASKLEASE_TASK, TASKLEASE_HOLDER "
                              "and TASKLEASE_EPOCH) as printed by `tasklease claim`")
-    kube = _kube(args)
-    protocol = Protocol(kube)
-    return protocol, protocol.adopt(kube.namespace, args.name, holder=args.holder, epoch=args.epoch)
+    return Protocol(_kube(args))
+
+
+def _adopt(args: argparse.Namespace, protocol: Protocol) -> lease.Held:
+    return protocol.adopt(protocol.kube.namespace, args.name, holder=args.holder, epoch=args.epoch)
 
 
 def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:

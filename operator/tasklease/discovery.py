@@ -53,7 +53,9 @@ class QueueView:
         deadline = time.monotonic() + timeout_s
         for r in self._reflectors:
             while not r.synced.wait(0.1):
-                if r.error is not None or time.monotonic() > deadline:
+                # Refusals are final (RBAC, a missing CRD); a flaky network gets until the deadline.
+                final = r.error is not None and not isinstance(r.error, (errors.Unreachable, errors.ServerError))
+                if final or time.monotonic() > deadline:
                     self.stop()
                     if isinstance(r.error, errors.TaskleaseError):
                         raise r.error

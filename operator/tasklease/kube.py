@@ -107,7 +107,9 @@ class Kube:
         try:
             resp = self.api_client.rest_client.pool_manager.request(
                 method, url, body=payload, headers=headers, preload_content=False,
-                timeout=urllib3.Timeout(connect=10, read=timeout[1]) if isinstance(timeout, tuple) else timeout,
+                # A float is a bound on the whole request, connecting included.
+                timeout=urllib3.Timeout(connect=10, read=timeout[1]) if isinstance(timeout, tuple)
+                else urllib3.Timeout(total=timeout),
                 retries=False)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise errors.Unreachable(f"cannot reach the Kubernetes API server: {_short(exc)}") from None
@@ -128,9 +130,9 @@ class Kube:
             return None
 
     def list(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
-             label_selector: str = "", field_selector: str = "") -> JSON:
+             label_selector: str = "", field_selector: str = "", timeout: float = 30) -> JSON:
         ns = None if all_namespaces else (namespace or self.namespace)
-        return self.request("GET", res.path(ns), query=_selectors(label_selector, field_selector))
+        return self.request("GET", res.path(ns), query=_selectors(label_selector, field_selector), timeout=timeout)
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:
         return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT, timeout=timeout)

@@ -261,9 +261,20 @@ class Protocol:
 
     # reads
 
-    def read(self, namespace: str, name: str) -> LeaseRecord | None:
-        lease = self.kube.get_or_none(LEASES, name, namespace=namespace)
+    def read(self, namespace: str, name: str, *, timeout: float = 30) -> LeaseRecord | None:
+        lease = self.kube.get_or_none(LEASES, name, namespace=namespace, timeout=timeout)
         return decode(lease) if lease else None
+
+    def ended_as(self, namespace: str, name: str, *, holder: str, epoch: int, outcome: str,
+                 result: str | None = None) -> bool:
+        """Did attempt `epoch` of `holder` already end with `outcome` (and `result`)? For a
+        stateless retry whose first answer was lost: the write it repeats was applied."""
+        rec = self.read(namespace, name)
+        if rec is None or rec.epoch != epoch or not rec.history:
+            return False
+        last = rec.history[-1]
+        return (last.attempt, last.holder, last.outcome) == (epoch, holder, outcome) and (
+            result is None or rec.result == result)
 
     # agent side
 
@@ -358,10 +369,7 @@ class Protocol:
         rec = self.read(namespace, name)
         if rec is None:
             raise errors.LostLease(f"task {namespace}/{name}: its lease is gone")
-        if rec.state != HELD or rec.holder != holder or rec.epoch != epoch:
-            now = f"held by {rec.holder} at attempt {rec.epoch}" if rec.state == HELD else rec.state
-            raise errors.LostLease(f"task {namespace}/{name}: attempt {epoch} of {holder} is over (now {now})")
-        return rec
+        return _check_holder(rec, namespace=namespace, name=name, holder=holder, epoch=epoch)
 
     def _as_holder(self, held: Held, change: Callable[[LeaseRecord], LeaseRecord], *,
                    timeout: float = 30) -> Held:
@@ -375,18 +383,33 @@ class Protocol:
             try:
                 return replace(held, record=self._write(change(rec), timeout=timeout))
             except errors.Conflict:
-                current = self.read(held.namespace, held.name)
+                current = self.read(held.namespace, held.name, timeout=timeout)
                 if current is not None and _already_applied(current, intended, held):
                     return replace(held, record=current)
-                rec = self._ours(held.namespace, held.name, holder=held.holder, epoch=held.epoch)
+                rec = _still_ours(current, held)
             except errors.NotFound:
                 raise errors.LostLease(f"task {held.namespace}/{held.name}: its lease is gone") from None
         raise errors.LostLease(f"task {held.namespace}/{held.name}: the lease keeps changing under its holder")
 
 
+def _check_holder(rec: LeaseRecord, *, namespace: str, name: str, holder: str, epoch: int) -> LeaseRecord:
+    if rec.state != HELD or rec.holder != holder or rec.epoch != epoch:
+        now = f"held by {rec.holder} at attempt {rec.epoch}" if rec.state == HELD else rec.state
+        raise errors.LostLease(f"task {namespace}/{name}: attempt {epoch} of {holder} is over (now {now})")
+    return rec
+
+
+def _still_ours(current: LeaseRecord | None, held: Held) -> LeaseRecord:
+    if current is None or current.owner_uid != held.uid:
+        raise errors.LostLease(f"task {held.namespace}/{held.name}: its lease is gone")
+    return _check_holder(current, namespace=held.namespace, name=held.name, holder=held.holder, epoch=held.epoch)
+
+
 def _already_applied(current: LeaseRecord, intended: LeaseRecord, held: Held) -> bool:
     """True when `current` is the end of attempt `held.epoch` that `intended` describes."""
     if intended.state == HELD or current.epoch != held.epoch or not current.history:
+        return False
+    if current.owner_uid != held.uid:
         return False
     last = current.history[-1]
     return (last.attempt, last.holder) == (held.epoch, held.holder) and (

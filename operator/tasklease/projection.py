@@ -28,8 +28,9 @@ class Transition:
 def project(task: dict[str, Any], rec: LeaseRecord | None, *, now: datetime) -> TaskStatus:
     old = models.TaskStatus.model_validate(task.get("status") or {})
     generation = int(task["metadata"].get("generation") or 0)
-    if old.phase.terminal and (rec is None or rec.state != lease.CLOSED):
-        # I4: a terminal phase is final, even if its Lease was deleted by hand.
+    if old.phase.terminal and not (rec is not None and rec.state == lease.CLOSED
+                                   and rec.owner_uid == task["metadata"]["uid"] and rec.outcome == old.phase.value):
+        # I4: a terminal phase is final, even if its Lease was deleted or recreated by hand.
         return old
     if rec is None or rec.owner_uid != task["metadata"]["uid"]:
         status = TaskStatus(phase=Phase.PENDING, reason="Waiting", attempt=old.attempt, history=old.history)

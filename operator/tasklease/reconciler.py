@@ -35,8 +35,11 @@ log = logging.getLogger("tasklease.operator")
 
 Key = tuple[str, str]  # (namespace, name)
 _TERMINATED_POD_PHASES = ("Succeeded", "Failed")
+_TERMINAL_PHASES = tuple(p.value for p in Phase if p.terminal)
 _MAX_WAIT_S = 5.0
 _CONFLICT_RETRY_S = 0.2
+_SEED_TRIES = 3
+_SEED_TIMEOUT_S = 3.0
 
 
 class Reconciler:
@@ -74,20 +77,28 @@ class Reconciler:
             self._enqueue(key)
 
     def on_lease(self, kind: str, obj: JSON) -> None:
-        rec = lease.decode(obj)
-        key = (rec.namespace, rec.name)
+        key = _key(obj)
         with self._cond:
-            if kind == "DELETED":
-                self._leases.pop(key, None)
-                self._lease_clock.forget(key)
-            else:
-                self._leases[key] = rec
-                if rec.state == lease.HELD:
-                    # The moment we first see this version is what expiry is measured from.
-                    self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
-                else:
-                    self._lease_clock.forget(key)
+            self._apply_lease(key, kind, obj)
             self._enqueue(key)
+
+    def _apply_lease(self, key: Key, kind: str, obj: JSON) -> None:
+        """Caller holds the lock."""
+        try:
+            rec = lease.decode(obj)
+        except (ValueError, KeyError, TypeError):
+            log.exception("lease %s/%s cannot be read; ignoring it", *key)
+            kind = "DELETED"  # a version we cannot read must not stay cached as if current
+        if kind == "DELETED":
+            self._leases.pop(key, None)
+            self._lease_clock.forget(key)
+            return
+        self._leases[key] = rec
+        if rec.state == lease.HELD:
+            # The moment we first see this version is what expiry is measured from.
+            self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
+        else:
+            self._lease_clock.forget(key)
 
     def on_pod(self, kind: str, obj: JSON) -> None:
         meta = obj["metadata"]
@@ -110,23 +121,28 @@ class Reconciler:
             self._lease_clock.restart_all()
             self.active.set()
             metrics.LEADER.set(1)
-            for key in set(self._tasks) | set(self._leases):
+            for key in self._tasks:  # a Lease without a Task comes back with its own next event
                 self._enqueue(key)
 
     def _seed_leases(self) -> None:
         scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
         for ns in scopes:
-            try:
-                listed = self.kube.list(LEASES, namespace=ns, all_namespaces=ns is None,
-                                        label_selector=lease.MANAGED_SELECTOR)
-            except errors.TaskleaseError as exc:
-                log.warning("could not list Leases before acting (%s); relying on the watch", exc)
-                return
-            for obj in listed.get("items", []):
-                with self._cond:
-                    known = (obj["metadata"]["namespace"], obj["metadata"]["name"]) in self._leases
-                if not known:
-                    self.on_lease("ADDED", obj)
+            for attempt in range(_SEED_TRIES):
+                try:
+                    # Short: on the election thread a slow answer would delay leader renewals.
+                    listed = self.kube.list(LEASES, namespace=ns, all_namespaces=ns is None,
+                                            label_selector=lease.MANAGED_SELECTOR, timeout=_SEED_TIMEOUT_S)
+                    break
+                except errors.TaskleaseError as exc:
+                    log.warning("listing Leases before acting failed (%s)%s", exc,
+                                "; relying on the watch" if attempt + 1 == _SEED_TRIES else "; retrying")
+            else:
+                continue
+            with self._cond:
+                for obj in listed.get("items", []):
+                    key = _key(obj)
+                    if key not in self._leases:  # the watch may have brought a newer one already
+                        self._apply_lease(key, "ADDED", obj)
 
     def deactivate(self) -> None:
         self.active.clear()
@@ -206,6 +222,8 @@ class Reconciler:
 
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
         """Steps 1 and 2: at most one protocol write; returns the Lease as it now is."""
+        if view.status_phase in _TERMINAL_PHASES:
+            return rec  # I4: finished is final, even with its Lease deleted by hand
         if rec is not None and (rec.state == lease.CLOSED or rec.owner_uid != view.uid):
             return rec
         key = (view.namespace, view.name)

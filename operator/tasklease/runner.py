@@ -61,11 +61,12 @@ class Runner:
                 continue
             try:
                 code = self._run_one(task)
-            except errors.LostLease as exc:
+            except (errors.LostLease, errors.Unreachable, errors.ServerError) as exc:
                 if not loop:
                     raise
-                log.warning("%s", exc)  # the next task is another attempt: keep going
-                code = errors.LostLease.exit_code
+                # This attempt is over (or will expire); the next task is another one: keep going.
+                log.warning("%s", exc)
+                code = exc.exit_code
             if not loop:
                 return code
         return EXIT_STOPPED
@@ -94,6 +95,9 @@ class Runner:
             pass  # the command does not read stdin: fine
         code = child.wait()
         reader.join(_DRAIN_S)
+        if reader.is_alive():
+            tail.echo = False  # maybe our own stdout is slow: keep reading, stop echoing
+            reader.join(_DRAIN_S)
         if reader.is_alive():
             # Something the command started in the background still holds its stdout:
             # the command is over, and so is its process group.
