@@ -151,3 +151,15 @@ def test_crd_not_installed_is_named(cluster: Cluster, namespace: str) -> None:
     missing = Resource("tasklease.dev", "v1alpha1", "notinstalled")
     with pytest.raises(errors.CRDMissing, match="is not installed"):
         cluster.kube(namespace).list(missing)
+
+
+def test_a_repeated_ending_succeeds_but_another_outcome_is_refused(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "twice", queue="again")
+    claimed = json.loads(cli("claim", "--queue", "again").stdout)
+    who = ["twice", "--holder", claimed["holder"], "--epoch", str(claimed["epoch"])]
+    assert cli("complete", *who, "--result", "r1").returncode == 0
+    assert cli("complete", *who, "--result", "r1").returncode == 0  # a retry after a lost answer
+    refused = cli("complete", *who, "--result", "r2")
+    assert refused.returncode == 4
+    assert "is over" in _clean_error(refused)
+    assert lease.decode(kube.get(LEASES, "twice")).result == "r1"
