@@ -109,10 +109,6 @@ def make_task(kube: Kube, name: str, *, queue: str = "q", **spec: Any) -> dict[s
     return kube.create(TASKS, body)
 
 
-def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, *args]
-
-
 # -- identities: service accounts with the chart's RBAC ------------------------------------
 
 RELEASE = "tasklease-test"

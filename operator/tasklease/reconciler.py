@@ -201,10 +201,6 @@ class Reconciler:
         self._pending[key] = None
         self._cond.notify_all()
 
-    def _enqueue_locked(self, key: Key) -> None:
-        with self._cond:
-            self._enqueue(key)
-
     # -- one key -------------------------------------------------------------------------------
 
     def reconcile(self, key: Key) -> None:
