@@ -32,7 +32,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from tasklease import errors, lease
-from tasklease.discovery import QueueView, lease_selector, task_selector
+from tasklease.discovery import QueueView, claimable, lease_selector, task_selector
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.lease import Held, LeaseRecord, Protocol, TaskView
 
@@ -306,16 +306,10 @@ class Agent:
             rec = lease.decode(obj)
             if rec.state != lease.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
                 continue
-            if not instance_gone(rec.holder.rsplit("/", 1)[1]):
+            if not instance_gone(lease.holder_instance(rec.holder)):
                 continue  # a sibling process in this container, not a dead predecessor
-            task = self.kube.get_or_none(TASKS, rec.name, namespace=self.namespace)
-            if task is None:
-                continue
-            view = TaskView.of(task)
-            held = Held(namespace=rec.namespace, name=rec.name, holder=rec.holder, epoch=rec.epoch,
-                        spec=view.spec, uid=view.uid, record=rec)
             try:
-                self.protocol.release(held, f"its agent restarted as {self.identity.holder}")
+                self.protocol.release(self.protocol.held_from(rec), f"its agent restarted as {self.identity.holder}")
             except errors.LostLease:
                 continue
             log.info("released %s/%s: held by %s, an older instance of this pod", rec.namespace, rec.name, rec.holder)
@@ -359,13 +353,7 @@ class Agent:
         tasks = self.kube.list(TASKS, namespace=self.namespace, field_selector=task_selector(queue))["items"]
         leases = {o["metadata"]["name"]: lease.decode(o) for o in
                   self.kube.list(LEASES, namespace=self.namespace, label_selector=lease_selector(queue))["items"]}
-        now = lease.now_utc()
-        candidates = []
-        for obj in tasks:
-            view = TaskView.of(obj)
-            rec = leases.get(view.name)
-            if lease.why_not_claimable(view, rec, now) is None:
-                candidates.append((view, rec))
+        candidates = claimable({t["metadata"]["name"]: TaskView.of(t) for t in tasks}, leases, lease.now_utc())
         while candidates:
             claimed, lost = self._try(candidates, interrupt=interrupt)
             if claimed is not None:

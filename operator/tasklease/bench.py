@@ -225,7 +225,8 @@ def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: 
                                    "metadata": {"name": pod, "labels": {"tasklease.dev/agent": "true"}},
                                    "spec": {"automountServiceAccountToken": False,
                                             "containers": [{"name": "a", "image": "agent:dev"}]}})
-            agents.append(_spawn(["run", f"--kubeconfig={ns_config}", "--queue", pod, "--", "sleep", "300"],
+            # The command outlives its killed agent a little: short enough to end by itself.
+            agents.append(_spawn(["run", f"--kubeconfig={ns_config}", "--queue", pod, "--", "sleep", "20"],
                                  env={"POD_NAME": pod}))
         _until(lambda: all(_state(kube, f"victim-{i}") == lease.HELD for i in range(kills)), 60, "agents to claim")
         _until(lambda: _get_ok(port), 60, "the operator to be ready")
@@ -251,7 +252,7 @@ def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: 
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
             proc.wait()
-        subprocess.run(["pkill", "-f", "sleep 300"], check=False)
+
 
 
 # -- helpers ---------------------------------------------------------------------------------------

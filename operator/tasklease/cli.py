@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -227,8 +226,8 @@ def cmd_claim(args: argparse.Namespace) -> int:
 
 
 def cmd_renew(args: argparse.Namespace) -> int:
-    protocol = _protocol(args)
-    protocol.renew(_adopt(args, protocol))
+    kube, protocol = _held_by_args(args)
+    protocol.renew(protocol.adopt(kube.namespace, args.name, holder=args.holder, epoch=args.epoch))
     return 0
 
 
@@ -247,18 +246,11 @@ def cmd_release(args: argparse.Namespace) -> int:
     return _end(args, "Released", lambda p, h: p.release(h))
 
 
-def _end(args: argparse.Namespace, outcome: str, write: Callable[[Protocol, lease.Held], object],
-         result: str | None = None) -> int:
-    """End the attempt; a retry of an ending whose answer was lost (a timeout) succeeds."""
-    protocol = _protocol(args)
-    try:
-        held = _adopt(args, protocol)
-    except errors.LostLease:
-        if protocol.ended_as(protocol.kube.namespace, args.name, holder=args.holder, epoch=args.epoch,
-                             outcome=outcome, result=result):
-            return 0
-        raise
-    write(protocol, held)
+def _end(args: argparse.Namespace, outcome: str, write: Callable[[Protocol, lease.Held], lease.Held],
+         result: str = "") -> int:
+    kube, protocol = _held_by_args(args)
+    protocol.end(kube.namespace, args.name, holder=args.holder, epoch=args.epoch, outcome=outcome,
+                 write=lambda held: write(protocol, held), result=result)
     return 0
 
 
@@ -302,15 +294,12 @@ def _kube(args: argparse.Namespace) -> Kube:
     return kube
 
 
-def _protocol(args: argparse.Namespace) -> Protocol:
+def _held_by_args(args: argparse.Namespace) -> tuple[Kube, Protocol]:
     if not args.name or not args.holder or args.epoch is None:
         raise errors.Invalid("need the task name, --holder and --epoch (or TASKLEASE_TASK, TASKLEASE_HOLDER "
                              "and TASKLEASE_EPOCH) as printed by `tasklease claim`")
-    return Protocol(_kube(args))
-
-
-def _adopt(args: argparse.Namespace, protocol: Protocol) -> lease.Held:
-    return protocol.adopt(protocol.kube.namespace, args.name, holder=args.holder, epoch=args.epoch)
+    kube = _kube(args)
+    return kube, Protocol(kube)
 
 
 def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -355,7 +344,7 @@ def _print_table(rows: list[list[str]]) -> None:
 
 
 def _age(timestamp: str) -> str:
-    seconds = int((datetime.now(UTC) - datetime.fromisoformat(timestamp.replace("Z", "+00:00"))).total_seconds())
+    seconds = int((lease.now_utc() - (lease.parse_time(timestamp) or lease.now_utc())).total_seconds())
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"

@@ -11,23 +11,29 @@ import threading
 import time
 from datetime import datetime
 
-from tasklease import errors, lease
+from tasklease import errors, lease, models
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.lease import LeaseRecord, TaskView
 from tasklease.watching import Reflector
 
-_TERMINAL_PHASES = ("Succeeded", "Failed", "Cancelled")
 
 
 def task_selector(queue: str) -> str:
     """Tasks of `queue` whose projected phase is not terminal (the server filters)."""
-    return ",".join([f"spec.queue={queue}", *(f"status.phase!={p}" for p in _TERMINAL_PHASES)])
+    return ",".join([f"spec.queue={queue}", *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
 
 
 def lease_selector(queue: str) -> str:
     # Not `state!=closed`: when an object stops matching a selector the watch reports it
     # DELETED with its *previous* state, so a closing Lease would look like a vanished one.
     return f"{lease.LABEL_QUEUE}={queue}"
+
+
+def claimable(tasks: dict[str, TaskView], leases: dict[str, LeaseRecord],
+              now: datetime) -> list[tuple[TaskView, LeaseRecord | None]]:
+    """The tasks that may be claimed now, each with its Lease (None: never claimed)."""
+    return [(t, leases.get(name)) for name, t in tasks.items()
+            if lease.why_not_claimable(t, leases.get(name), now) is None]
 
 
 class QueueView:
@@ -68,9 +74,8 @@ class QueueView:
 
     def candidates(self, now: datetime) -> list[tuple[TaskView, LeaseRecord | None]]:
         with self._changed:
-            return [(t, self._leases.get(name)) for name, t in self._tasks.items()
-                    if not self._recently_lost(name)
-                    and lease.why_not_claimable(t, self._leases.get(name), now) is None]
+            fresh = {name: t for name, t in self._tasks.items() if not self._recently_lost(name)}
+            return claimable(fresh, self._leases, now)
 
     def next_not_before(self) -> datetime | None:
         """The earliest backoff still running among open tasks: when to look again without an event."""

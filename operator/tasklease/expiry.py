@@ -52,13 +52,16 @@ class LeaseClock(Generic[K]):
 
     def expires_at(self, key: K) -> float | None:
         seen = self._seen.get(key)
-        return None if seen is None else seen.first_seen + seen.duration_s + self.grace_s
+        return None if seen is None else self._deadline(seen)
 
     def expired(self, key: K, resource_version: str) -> bool:
         seen = self._seen.get(key)
         if seen is None or seen.resource_version != resource_version:
             return False
-        return self.monotonic() >= seen.first_seen + seen.duration_s + self.grace_s
+        return self.monotonic() >= self._deadline(seen)
+
+    def _deadline(self, seen: Observation) -> float:
+        return seen.first_seen + seen.duration_s + self.grace_s
 
     def silent_for(self, key: K) -> float:
         seen = self._seen.get(key)
@@ -98,6 +101,3 @@ class DeadlineQueue(Generic[K]):
         while self._heap and self._scheduled.get(self._heap[0][2]) != self._heap[0][0]:
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else None
-
-    def __len__(self) -> int:
-        return len(self._scheduled)

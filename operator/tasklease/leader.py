@@ -18,9 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
-from tasklease import errors
+from tasklease import errors, lease
 from tasklease.kube import JSON, LEASES, Kube
 
 log = logging.getLogger(__name__)
@@ -140,4 +139,4 @@ class LeaderElector:
 
 
 def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return str(lease.format_time(lease.now_utc()))

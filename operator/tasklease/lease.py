@@ -45,7 +45,6 @@ ANN_HISTORY: Final = "tasklease.dev/history"
 MANAGED_SELECTOR: Final = f"{LABEL_MANAGED}=tasklease"
 
 FREE, HELD, CLOSED = "free", "held", "closed"
-_TERMINAL = tuple(p.value for p in models.Phase if p.terminal)
 
 
 def now_utc() -> datetime:
@@ -96,6 +95,11 @@ def holder_pod(holder: str) -> str:
     return holder.rsplit("/", 1)[0] if "/" in holder else holder
 
 
+def holder_instance(holder: str) -> str:
+    """`<pod>/<instance>` → `<instance>`."""
+    return holder.rsplit("/", 1)[1] if "/" in holder else ""
+
+
 def decode(lease: JSON) -> LeaseRecord:
     meta = lease.get("metadata", {})
     spec = lease.get("spec", {})
@@ -108,9 +112,9 @@ def decode(lease: JSON) -> LeaseRecord:
         owner_uid=owners[0]["uid"] if owners else "",
         holder=spec.get("holderIdentity") or "", epoch=int(spec.get("leaseTransitions") or 0),
         duration_s=int(spec.get("leaseDurationSeconds") or 30),
-        acquired_at=_parse_time(spec.get("acquireTime")), renewed_at=_parse_time(spec.get("renewTime")),
+        acquired_at=parse_time(spec.get("acquireTime")), renewed_at=parse_time(spec.get("renewTime")),
         outcome=ann.get(ANN_OUTCOME, ""), reason=ann.get(ANN_REASON, ""), result=ann.get(ANN_RESULT, ""),
-        error=ann.get(ANN_ERROR, ""), not_before=_parse_time(ann.get(ANN_NOT_BEFORE)),
+        error=ann.get(ANN_ERROR, ""), not_before=parse_time(ann.get(ANN_NOT_BEFORE)),
         history=history, resource_version=meta.get("resourceVersion", ""), raw=lease,
     )
 
@@ -132,7 +136,7 @@ def encode(rec: LeaseRecord) -> JSON:
         meta["resourceVersion"] = rec.resource_version
     ann = meta["annotations"]
     for key, value in ((ANN_OUTCOME, rec.outcome), (ANN_REASON, rec.reason), (ANN_RESULT, rec.result),
-                       (ANN_ERROR, rec.error), (ANN_NOT_BEFORE, _format_time(rec.not_before))):
+                       (ANN_ERROR, rec.error), (ANN_NOT_BEFORE, format_time(rec.not_before))):
         if value:
             ann[key] = value
     if rec.history:
@@ -140,7 +144,7 @@ def encode(rec: LeaseRecord) -> JSON:
                                        for a in rec.history], separators=(",", ":"))
     spec: JSON = {"leaseDurationSeconds": rec.duration_s, "leaseTransitions": rec.epoch,
                   "holderIdentity": rec.holder or None,
-                  "acquireTime": _format_time(rec.acquired_at), "renewTime": _format_time(rec.renewed_at)}
+                  "acquireTime": format_time(rec.acquired_at), "renewTime": format_time(rec.renewed_at)}
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
 
 
@@ -176,7 +180,7 @@ def fresh_record(task: TaskView) -> LeaseRecord:
 
 def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) -> str | None:
     """None when `task` may be claimed now; otherwise the reason, for logs and errors."""
-    if task.status_phase in _TERMINAL:
+    if task.status_phase in models.TERMINAL_PHASES:
         return f"finished ({task.status_phase})"  # even if its Lease was deleted by hand
     if task.spec.cancel:
         return "cancelled"
@@ -191,7 +195,7 @@ def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) ->
     if rec.state == HELD:
         return f"held by {rec.holder}"
     if rec.not_before is not None and now < rec.not_before:
-        return f"backing off until {_format_time(rec.not_before)}"
+        return f"backing off until {format_time(rec.not_before)}"
     if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
         return "attempts spent"
     return None
@@ -265,16 +269,18 @@ class Protocol:
         lease = self.kube.get_or_none(LEASES, name, namespace=namespace, timeout=timeout)
         return decode(lease) if lease else None
 
-    def ended_as(self, namespace: str, name: str, *, holder: str, epoch: int, outcome: str,
-                 result: str | None = None) -> bool:
-        """Did attempt `epoch` of `holder` already end with `outcome` (and `result`)? For a
-        stateless retry whose first answer was lost: the write it repeats was applied."""
-        rec = self.read(namespace, name)
-        if rec is None or rec.epoch != epoch or not rec.history:
-            return False
-        last = rec.history[-1]
-        return (last.attempt, last.holder, last.outcome) == (epoch, holder, outcome) and (
-            result is None or rec.result == result)
+    def end(self, namespace: str, name: str, *, holder: str, epoch: int, outcome: str,
+            write: Callable[[Held], Held], result: str = "") -> None:
+        """End attempt `epoch` of `holder` statelessly (the CLI): adopt it, then `write`. A
+        repeat of an ending whose first answer was lost finds it applied and succeeds."""
+        try:
+            held = self.adopt(namespace, name, holder=holder, epoch=epoch)
+        except errors.LostLease:
+            rec = self.read(namespace, name)
+            if rec is not None and _ended_as(rec, epoch=epoch, holder=holder, outcome=outcome, result=result):
+                return
+            raise
+        write(held)
 
     # agent side
 
@@ -290,12 +296,15 @@ class Protocol:
 
     def adopt(self, namespace: str, name: str, *, holder: str, epoch: int) -> Held:
         """Rebuild a Held from the API server (the CLI is stateless): it must still be ours."""
-        rec = self._ours(namespace, name, holder=holder, epoch=epoch)
-        task = self.kube.get_or_none(TASKS, name, namespace=namespace)
-        if task is None:
-            raise errors.LostLease(f"task {namespace}/{name} no longer exists")
+        return self.held_from(self._ours(namespace, name, holder=holder, epoch=epoch))
+
+    def held_from(self, rec: LeaseRecord) -> Held:
+        """The Held of whoever holds `rec` now, with its Task's spec (one GET)."""
+        task = self.kube.get_or_none(TASKS, rec.name, namespace=rec.namespace)
+        if task is None or task["metadata"]["uid"] != rec.owner_uid:
+            raise errors.LostLease(f"task {rec.namespace}/{rec.name} no longer exists")
         view = TaskView.of(task)
-        return Held(namespace=namespace, name=name, holder=holder, epoch=epoch,
+        return Held(namespace=rec.namespace, name=rec.name, holder=rec.holder, epoch=rec.epoch,
                     spec=view.spec, uid=view.uid, record=rec)
 
     def renew(self, held: Held, *, timeout: float = 30) -> Held:
@@ -378,10 +387,10 @@ class Protocol:
         own earlier write whose answer was lost (a retried completion) counts as done;
         anything else is a lost lease."""
         rec = held.record
-        intended = change(rec)
         for _ in range(5):
+            intended = change(rec)
             try:
-                return replace(held, record=self._write(change(rec), timeout=timeout))
+                return replace(held, record=self._write(intended, timeout=timeout))
             except errors.Conflict:
                 current = self.read(held.namespace, held.name, timeout=timeout)
                 if current is not None and _already_applied(current, intended, held):
@@ -407,14 +416,18 @@ def _still_ours(current: LeaseRecord | None, held: Held) -> LeaseRecord:
 
 def _already_applied(current: LeaseRecord, intended: LeaseRecord, held: Held) -> bool:
     """True when `current` is the end of attempt `held.epoch` that `intended` describes."""
-    if intended.state == HELD or current.epoch != held.epoch or not current.history:
+    return (intended.state != HELD and current.owner_uid == held.uid and current.state == intended.state
+            and current.outcome == intended.outcome and bool(intended.history)
+            and _ended_as(current, epoch=held.epoch, holder=held.holder, outcome=intended.history[-1].outcome,
+                          result=intended.result))
+
+
+def _ended_as(rec: LeaseRecord, *, epoch: int, holder: str, outcome: str, result: str) -> bool:
+    """Attempt `epoch` of `holder` is the last one, ended with `outcome`, leaving `result`."""
+    if rec.epoch != epoch or not rec.history:
         return False
-    if current.owner_uid != held.uid:
-        return False
-    last = current.history[-1]
-    return (last.attempt, last.holder) == (held.epoch, held.holder) and (
-        current.state, current.outcome, current.result, last.outcome) == (
-        intended.state, intended.outcome, intended.result, intended.history[-1].outcome)
+    last = rec.history[-1]
+    return (last.attempt, last.holder, last.outcome, rec.result) == (epoch, holder, outcome, result)
 
 
 def pick(candidates: list[tuple[TaskView, LeaseRecord | None]], *, best_of: int,
@@ -428,13 +441,13 @@ def pick(candidates: list[tuple[TaskView, LeaseRecord | None]], *, best_of: int,
     return head
 
 
-def _parse_time(value: Any) -> datetime | None:
+def parse_time(value: Any) -> datetime | None:
     if not value:
         return None
     return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
 
 
-def _format_time(value: datetime | None) -> str | None:
+def format_time(value: datetime | None) -> str | None:
     if value is None:
         return None
     return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -105,6 +105,9 @@ class Phase(enum.StrEnum):
         return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.CANCELLED)
 
 
+TERMINAL_PHASES: Final = tuple(p.value for p in Phase if p.terminal)
+
+
 class Condition(_Model):
     """A standard Kubernetes condition (metav1.Condition)."""
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from tasklease import lease, models
+from tasklease import lease
 from tasklease.lease import LeaseRecord
 from tasklease.models import Condition, Phase, TaskStatus
 
@@ -25,8 +25,8 @@ class Transition:
     message: str
 
 
-def project(task: dict[str, Any], rec: LeaseRecord | None, *, now: datetime) -> TaskStatus:
-    old = models.TaskStatus.model_validate(task.get("status") or {})
+def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, now: datetime) -> TaskStatus:
+    """The status `task` should have, given its Lease `rec` and its current status `old`."""
     generation = int(task["metadata"].get("generation") or 0)
     if old.phase.terminal and not (rec is not None and rec.state == lease.CLOSED
                                    and rec.owner_uid == task["metadata"]["uid"] and rec.outcome == old.phase.value):

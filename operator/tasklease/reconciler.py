@@ -35,7 +35,6 @@ log = logging.getLogger("tasklease.operator")
 
 Key = tuple[str, str]  # (namespace, name)
 _TERMINATED_POD_PHASES = ("Succeeded", "Failed")
-_TERMINAL_PHASES = tuple(p.value for p in Phase if p.terminal)
 _MAX_WAIT_S = 5.0
 _CONFLICT_RETRY_S = 0.2
 _SEED_TRIES = 3
@@ -93,6 +92,10 @@ class Reconciler:
             self._leases.pop(key, None)
             self._lease_clock.forget(key)
             return
+        self._cache(key, rec)
+
+    def _cache(self, key: Key, rec: LeaseRecord) -> None:
+        """Caller holds the lock."""
         self._leases[key] = rec
         if rec.state == lease.HELD:
             # The moment we first see this version is what expiry is measured from.
@@ -218,7 +221,7 @@ class Reconciler:
 
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
         """Steps 1 and 2: at most one protocol write; returns the Lease as it now is."""
-        if view.status_phase in _TERMINAL_PHASES:
+        if view.status_phase in models.TERMINAL_PHASES:
             return rec  # I4: finished is final, even with its Lease deleted by hand
         if rec is not None and (rec.state == lease.CLOSED or rec.owner_uid != view.uid):
             return rec
@@ -254,7 +257,7 @@ class Reconciler:
     def _project(self, key: Key, task: JSON, rec: LeaseRecord | None) -> None:
         """Step 3: write the status if it changed, then tell people what happened."""
         old = models.TaskStatus.model_validate(task.get("status") or {})
-        new = projection.project(task, rec, now=self.clock())
+        new = projection.project(task, rec, old=old, now=self.clock())
         queue = task["spec"]["queue"]
         with self._cond:
             self._set_phase(key, (queue, new.phase.value))
@@ -326,9 +329,7 @@ class Reconciler:
         with self._cond:
             current = self._leases.get(key)
             if current is None or before is None or current.resource_version == before.resource_version:
-                self._leases[key] = after
-                if after.state != lease.HELD:
-                    self._lease_clock.forget(key)
+                self._cache(key, after)
         return after
 
     def _remove_orphan(self, rec: LeaseRecord) -> None:
