@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease import lease
 from tasklease.kube import LEASES, PODS, TASKS, Kube
@@ -143,21 +145,26 @@ def test_two_replicas_one_active_and_the_standby_takes_over(
     wait_for(lambda: _lease(kube, "after-failover").state == lease.FREE, timeout=30, message="expiry by the new leader")
 
 
-def test_deleting_the_holders_pod_requeues_its_task_at_once(
-        cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
+@pytest.mark.parametrize("end", ["deleted", "terminated"])
+def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path, end: str) -> None:
     make_task(kube, "pod-bound", queue="pods", leaseDurationSeconds=120, backoff=NO_BACKOFF)
-    kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
-                       "metadata": {"name": "agent-7", "labels": {"tasklease.dev/agent": "true"}},
-                       "spec": {"automountServiceAccountToken": False,
-                                "containers": [{"name": "agent", "image": "agent:dev"}]}})
+    pod = kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
+                             "metadata": {"name": "agent-7", "labels": {"tasklease.dev/agent": "true"}},
+                             "spec": {"automountServiceAccountToken": False,
+                                      "containers": [{"name": "agent", "image": "agent:dev"}]}})
     config = cluster.namespaced_kubeconfig(namespace, tmp_path)
     holder, _ = _hold(config, "pods", tmp_path / "holder.log", "agent-7")
     try:
-        kube.delete(PODS, "agent-7")
-        deleted_at = time.monotonic()
+        if end == "deleted":
+            kube.delete(PODS, "agent-7")
+        else:  # what the kubelet reports when the pod's containers have ended
+            pod["status"] = {"phase": "Failed"}
+            kube.replace(PODS, pod, sub="status")
+        gone_at = time.monotonic()
         wait_for(lambda: _lease(kube, "pod-bound").state == lease.FREE, timeout=30, interval=0.05,
-                 message="the lease to be expired after its pod was deleted")
-        assert time.monotonic() - deleted_at < 10  # not the 120 s lease duration
+                 message=f"the lease to be expired after its pod was {end}")
+        assert time.monotonic() - gone_at < 10  # not the 120 s lease duration
     finally:
         holder.stop()
     assert _lease(kube, "pod-bound").history[0].outcome == "Expired"

@@ -35,6 +35,8 @@ class Reflector:
         self.store: dict[str, JSON] = {}
         self.synced = threading.Event()
         self.error: Exception | None = None  # the last failure, until the next success
+        self.lists = 0  # full LISTs made: one at start, one more per 410 Gone
+        self.watches = 0  # watch requests made: one more each time a stream ends
         self._stop = threading.Event()
         self._rv = ""
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
@@ -66,6 +68,7 @@ class Reflector:
     def _relist(self) -> None:
         listed = self.kube.list(self.resource, namespace=self.namespace, label_selector=self.label_selector,
                                 field_selector=self.field_selector)
+        self.lists += 1
         fresh = {o["metadata"]["name"]: o for o in listed.get("items", [])}
         for name in set(self.store) - set(fresh):
             self._deliver("DELETED", self.store.pop(name))
@@ -77,6 +80,7 @@ class Reflector:
         self.synced.set()
 
     def _watch(self) -> None:
+        self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
                                      label_selector=self.label_selector, field_selector=self.field_selector,
                                      timeout_s=self.watch_timeout_s):
