@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
-LOCAL  := $(PY) -m tasklease.localcluster
+LOCAL  := $(PY) -m tasklease.dev
 
-.PHONY: help venv build cluster cluster-down lint test demo bench crds clean
+.PHONY: help venv build cluster cluster-down lint test demo bench generate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -27,22 +27,24 @@ cluster: build ## start the local control plane on 127.0.0.1 and apply crds/
 cluster-down: venv ## stop the local control plane and remove its data
 	$(LOCAL) down
 
-crds: venv ## regenerate crds/, the chart's CRD and its RBAC rules from their Python sources
-	$(PY) -m tasklease.crd
-	$(PY) -m tasklease.rbac
+generate: venv ## regenerate crds/, the chart's CRD and RBAC rules, and the README's layout, from their sources
+	$(PY) -m tasklease.api.crd
+	$(PY) -m tasklease.api.rbac
+	$(PY) -m tasklease.dev.layout README.md
 
-lint: venv ## ruff and mypy --strict
+lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/ruff check operator tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: build lint ## lint, then the test suite (starts its own control plane; TASKLEASE_KUBECONFIG=... uses yours)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
-	$(PY) -m tasklease.demo
+	$(PY) -m tasklease.dev.demo
 
 bench: build ## claim throughput and time-to-requeue, beside a baseline measured in the same run
-	$(PY) -m tasklease.bench
+	$(PY) -m tasklease.dev.bench
 
 clean: cluster-down ## remove .cache/ and the virtualenv (the cached binaries stay)
 	rm -rf .cache $(VENV)

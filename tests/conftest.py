@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tasklease import errors
+from tasklease.api import errors
 from tasklease.kube import NAMESPACES, TASKS, Kube, Resource
-from tasklease.localcluster import binaries
-from tasklease.localcluster.cluster import LocalCluster, free_port, namespaced_kubeconfig
-from tasklease.localcluster.crds import apply_crds
+from tasklease.dev import binaries
+from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig
+from tasklease.dev.crds import apply_crds
 
 ROOT = Path(__file__).resolve().parent.parent
 

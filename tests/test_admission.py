@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from conftest import Cluster, make_task, service_account_kubeconfig, wait_for
-from tasklease import errors, lease
+from tasklease.api import errors
+from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
 from tasklease.kube import LEASES, PODS, Kube
 
@@ -42,7 +43,7 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
 
     # The policy is type-checked and loaded asynchronously: wait until it bites.
     forged = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-              "metadata": {"name": "probe", "labels": {lease.LABEL_MANAGED: "tasklease"}},
+              "metadata": {"name": "probe", "labels": {record.LABEL_MANAGED: "tasklease"}},
               "spec": {"holderIdentity": "mallory/1", "leaseTransitions": 1}}
     wait_for(lambda: _denied(lambda: bob_kube.create(LEASES, forged)), timeout=30,
              message="the admission policy to be active")

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
-from tasklease import errors, lease
+from tasklease.api import errors
+from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.lease import Protocol, TaskView
+from tasklease.protocol import Protocol, TaskView
 
 FAST = {"leaseDurationSeconds": 5, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}
 
@@ -51,7 +52,7 @@ def test_a_paused_holder_is_expired_and_its_late_writes_are_rejected(
         holder.kill(signal.SIGCONT)
         holder.stop()
 
-    rec = lease.decode(kube.get(LEASES, "paused"))
+    rec = record.decode(kube.get(LEASES, "paused"))
     assert (rec.outcome, rec.epoch, rec.result) == ("Succeeded", 2, "fresh result")
     assert [(a.attempt, a.outcome) for a in rec.history] == [(1, "Expired"), (2, "Succeeded")]
     status = wait_for(lambda: (kube.get(TASKS, "paused").get("status") or {}).get("phase") == "Succeeded"
@@ -74,7 +75,7 @@ def test_a_restarted_agent_releases_its_previous_instances_leases_at_once(
                      log=tmp_path / "second.log", env={"POD_NAME": "worker-0"})
     assert second.wait(60) == 0, second.output()
     assert time.monotonic() - started < 30  # not the 300 s lease duration
-    rec = lease.decode(kube.get(LEASES, "held-long"))
+    rec = record.decode(kube.get(LEASES, "held-long"))
     assert [(a.attempt, a.outcome) for a in rec.history] == [(1, "Released"), (2, "Succeeded")]
     assert rec.history[0].holder == claimed["holder"]
     assert rec.history[1].holder.startswith("worker-0/") and rec.history[1].holder != claimed["holder"]
@@ -98,7 +99,7 @@ def test_fencing_epoch_only_grows_and_stale_holders_are_refused(kube: Kube) -> N
         with pytest.raises(errors.LostLease):
             agents[0].protocol.complete(held, "stale")
     final.complete("current")
-    assert lease.decode(kube.get(LEASES, "fenced")).result == "current"
+    assert record.decode(kube.get(LEASES, "fenced")).result == "current"
     for a in agents:
         a.close()
 
@@ -141,7 +142,7 @@ def test_a_restarting_agent_leaves_a_live_sibling_alone(kube: Kube, monkeypatch:
     dead.claim("s2", timeout=30).detach()  # a predecessor whose process is gone
     newcomer = Agent(kube)
     assert newcomer.start() == ["orphan"]
-    assert lease.decode(kube.get(LEASES, "sibling")).holder == held.holder
+    assert record.decode(kube.get(LEASES, "sibling")).holder == held.holder
     held.complete("still mine")
     for a in (sibling, dead, newcomer):
         a.close()
@@ -157,6 +158,6 @@ def test_a_completion_retried_after_its_answer_was_lost_counts_once(kube: Kube) 
     agent.protocol.complete(before, "the result")
     with pytest.raises(errors.LostLease):
         agent.protocol.complete(before, "another result")  # a different outcome is not ours to write
-    assert lease.decode(kube.get(LEASES, "retried")).result == "the result"
+    assert record.decode(kube.get(LEASES, "retried")).result == "the result"
     task.detach()
     agent.close()

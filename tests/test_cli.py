@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Cluster, Operator, Process, make_task, service_account_kubeconfig, tasklease_cmd, wait_for
-from tasklease import lease
+from tasklease.protocol import record
 from tasklease.kube import LEASES, TASKS, Kube
 
 
@@ -42,7 +42,7 @@ def test_submit_list_get_and_a_shell_agent_completing_it(cli, kube: Kube) -> Non
     script = 'read -r payload; echo "got $payload for $TASKLEASE_TASK at epoch $TASKLEASE_EPOCH"'
     ran = cli("run", "--queue", "sh", "--", "sh", "-c", script)
     assert ran.returncode == 0, ran.stderr
-    rec = lease.decode(kube.get(LEASES, "hello"))
+    rec = record.decode(kube.get(LEASES, "hello"))
     assert rec.outcome == "Succeeded"
     assert rec.result == 'got {"who":"world"} for hello at epoch 1'
     assert json.loads(cli("get", "hello", "-o", "json").stdout)["spec"]["payload"] == {"who": "world"}
@@ -61,7 +61,7 @@ echo "$TASKLEASE_EPOCH"
                          env={"KUBECONFIG": str(cli.kubeconfig), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
-    assert lease.decode(kube.get(LEASES, "scripted")).result.startswith("done by ")
+    assert record.decode(kube.get(LEASES, "scripted")).result.startswith("done by ")
 
 
 def test_a_command_outliving_its_lease_duration_keeps_it_by_renewing(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
@@ -70,7 +70,7 @@ def test_a_command_outliving_its_lease_duration_keeps_it_by_renewing(cli, kube: 
     ran = cli("run", "--queue", "slow", "--", "sh", "-c", "sleep 9; echo finished")
     assert ran.returncode == 0, ran.stderr
     assert time.monotonic() - started > 9
-    rec = lease.decode(kube.get(LEASES, "long"))
+    rec = record.decode(kube.get(LEASES, "long"))
     assert (rec.outcome, rec.epoch, rec.result) == ("Succeeded", 1, "finished")  # one attempt, never expired
 
 
@@ -97,7 +97,7 @@ def test_a_failing_command_is_retried_then_dead_lettered(cli, kube: Kube) -> Non
     assert cli("run", "--queue", "bad", "--", "sh", "-c", "exit 7").returncode == 11
     nothing = cli("run", "--queue", "bad", "--", "true")
     assert nothing.returncode == 3
-    rec = lease.decode(kube.get(LEASES, "broken"))
+    rec = record.decode(kube.get(LEASES, "broken"))
     assert (rec.outcome, rec.reason, rec.epoch) == ("Failed", "DeadLettered", 2)
     assert "exited with code 7" in rec.error
 
@@ -145,7 +145,7 @@ def test_rbac_denial_exits_6(cli, cluster: Cluster, namespace: str, chart_roles:
 
 
 def test_crd_not_installed_is_named(cluster: Cluster, namespace: str) -> None:
-    from tasklease import errors
+    from tasklease.api import errors
     from tasklease.kube import Resource
 
     missing = Resource("tasklease.dev", "v1alpha1", "notinstalled")
@@ -162,4 +162,4 @@ def test_a_repeated_ending_succeeds_but_another_outcome_is_refused(cli, kube: Ku
     refused = cli("complete", *who, "--result", "r2")
     assert refused.returncode == 4
     assert "is over" in _clean_error(refused)
-    assert lease.decode(kube.get(LEASES, "twice")).result == "r1"
+    assert record.decode(kube.get(LEASES, "twice")).result == "r1"

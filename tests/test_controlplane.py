@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from conftest import Cluster, wait_for
-from tasklease import errors
+from tasklease.api import errors
 from tasklease.kube import LEASES, PODS, Kube, Resource
-from tasklease.localcluster import binaries
-from tasklease.localcluster.cluster import LocalCluster, process_alive
+from tasklease.dev import binaries
+from tasklease.dev.cluster import LocalCluster, process_alive
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 CONFIGMAPS = Resource("", "v1", "configmaps")

@@ -5,18 +5,18 @@ from __future__ import annotations
 import subprocess
 
 from conftest import ROOT, Cluster, make_task
-from tasklease import crd, models, rbac
+from tasklease.api import crd, models, rbac
 from tasklease.kube import Kube
 
 
 def test_checked_in_crds_are_generated_from_the_models() -> None:
     expected = crd.render()
     for path in crd.targets(ROOT):
-        assert path.read_text() == expected, f"{path} is stale: run `make crds`"
+        assert path.read_text() == expected, f"{path} is stale: run `make generate`"
 
 
 def test_chart_rbac_rules_are_generated_from_rbac_py() -> None:
-    assert rbac.target(ROOT).read_text() == rbac.render(), "helm rules are stale: run `make crds`"
+    assert rbac.target(ROOT).read_text() == rbac.render(), "helm rules are stale: run `make generate`"
 
 
 def test_api_server_defaults_equal_the_model_defaults(kube: Kube) -> None:
@@ -40,7 +40,7 @@ def test_kubectl_get_tasks_shows_the_story_columns(cluster: Cluster, kube: Kube,
 
 
 def test_the_chart_lints_and_applies_to_a_real_api_server(cluster: Cluster, namespace: str) -> None:
-    from tasklease.localcluster import binaries
+    from tasklease.dev import binaries
 
     helm = str(binaries.ensure_helm())
     chart = str(ROOT / "helm" / "tasklease")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
-from tasklease import lease
+from tasklease.protocol import record
 from tasklease.kube import LEASES, PODS, TASKS, Kube
 
 NO_BACKOFF = {"initialSeconds": 0, "maxSeconds": 0}
@@ -28,8 +28,8 @@ def _hold(config: Path, queue: str, log: Path, pod: str) -> tuple[Process, dict[
     return proc, claimed
 
 
-def _lease(kube: Kube, name: str) -> lease.LeaseRecord:
-    return lease.decode(kube.get(LEASES, name))
+def _lease(kube: Kube, name: str) -> record.LeaseRecord:
+    return record.decode(kube.get(LEASES, name))
 
 
 def _phase(kube: Kube, name: str) -> str:
@@ -44,7 +44,7 @@ def test_a_killed_agents_task_is_requeued_within_the_lease_duration_and_complete
     holder.kill(signal.SIGKILL)
     killed_at = time.monotonic()
     holder.wait(10)
-    wait_for(lambda: _lease(kube, "orphaned").state == lease.FREE, timeout=30, interval=0.05,
+    wait_for(lambda: _lease(kube, "orphaned").state == record.FREE, timeout=30, interval=0.05,
              message="the operator to expire the lease")
     requeued_after = time.monotonic() - killed_at
     # lease duration + grace, plus slack for watch delivery and scheduling on a loaded machine
@@ -104,7 +104,7 @@ def test_operator_killed_and_restarted_mid_run_loses_nothing_and_expires_nothing
         time.sleep(3)  # the lease ages while no operator runs: a restart must not count this time
         restarted_at = time.monotonic()  # before the process exists: a lower bound of its first look
         second = operator_factory("--no-leader-elect")
-        wait_for(lambda: _lease(kube, "frozen").state == lease.FREE, timeout=40, interval=0.05,
+        wait_for(lambda: _lease(kube, "frozen").state == record.FREE, timeout=40, interval=0.05,
                  message="the frozen lease to expire")
         expired_after = time.monotonic() - restarted_at
         assert expired_after >= 10 - 0.5, f"expired {expired_after:.1f}s after the restart: early"
@@ -142,7 +142,8 @@ def test_two_replicas_one_active_and_the_standby_takes_over(
     claim = Process(tasklease_cmd("claim", f"--kubeconfig={cluster.namespaced_kubeconfig(namespace, tmp_path)}",
                                   "--queue", "ha"), log=tmp_path / "claim.log")
     assert claim.wait(30) == 0
-    wait_for(lambda: _lease(kube, "after-failover").state == lease.FREE, timeout=30, message="expiry by the new leader")
+    wait_for(lambda: _lease(kube, "after-failover").state == record.FREE, timeout=30,
+             message="expiry by the new leader")
 
 
 @pytest.mark.parametrize("end", ["deleted", "terminated"])
@@ -162,7 +163,7 @@ def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
             pod["status"] = {"phase": "Failed"}
             kube.replace(PODS, pod, sub="status")
         gone_at = time.monotonic()
-        wait_for(lambda: _lease(kube, "pod-bound").state == lease.FREE, timeout=30, interval=0.05,
+        wait_for(lambda: _lease(kube, "pod-bound").state == record.FREE, timeout=30, interval=0.05,
                  message=f"the lease to be expired after its pod was {end}")
         assert time.monotonic() - gone_at < 10  # not the 120 s lease duration
     finally:
@@ -209,7 +210,7 @@ def _events_since(path: Path, start: int) -> list[dict[str, Any]]:
 
 def _lease_or_none(kube: Kube, name: str) -> str:
     obj = kube.get_or_none(LEASES, name)
-    return lease.decode(obj).state if obj else ""
+    return record.decode(obj).state if obj else ""
 
 
 def _event_reasons(kube: Kube, name: str) -> list[str]:
@@ -221,7 +222,7 @@ def _event_reasons(kube: Kube, name: str) -> list[str]:
 
 def test_a_finished_task_stays_finished_even_if_its_lease_is_deleted_by_hand(
         cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
-    from tasklease import errors
+    from tasklease.api import errors
     from tasklease.agent import Agent, Identity
 
     make_task(kube, "done-once", queue="once")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Cluster, make_task, read_audit
-from tasklease import lease
+from tasklease.protocol import record
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.kube import LEASES
 
@@ -46,7 +46,7 @@ def test_twenty_agents_two_hundred_tasks_one_owner_each(cluster: Cluster, namesp
 
     # Every Lease ends closed/Succeeded with the result of the agent that held it.
     for name, [(holder, _)] in done.items():
-        rec = lease.decode(admin.get(LEASES, name))
+        rec = record.decode(admin.get(LEASES, name))
         assert (rec.outcome, rec.epoch) == ("Succeeded", 1)
         assert rec.result.endswith(f"by {holder}")
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from conftest import make_task
-from tasklease import errors
+from tasklease.api import errors
 from tasklease.kube import TASKS, Kube
 
 CASES: list[tuple[str, dict[str, Any], str]] = [

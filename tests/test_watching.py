@@ -6,7 +6,7 @@ import threading
 
 from conftest import wait_for
 from tasklease.kube import LEASES, JSON, Kube
-from tasklease.watching import Reflector
+from tasklease.kube.watching import Reflector
 
 
 def test_a_watch_that_keeps_ending_resumes_from_its_last_version_without_missing_anything(kube: Kube) -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tasklease import errors
+from tasklease.api import errors
 from tasklease.agent import Agent
 
 

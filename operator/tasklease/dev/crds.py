@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tasklease.localcluster.binaries import ensure_kubectl
+from tasklease.dev.binaries import ensure_kubectl
 
 
 def apply_crds(*, kubeconfig: Path, folder: Path, timeout_s: int = 60) -> None:

@@ -1,4 +1,4 @@
-"""`python -m tasklease.localcluster up|down|build|tools`: the Makefile's entry to the local control plane."""
+"""`python -m tasklease.dev up|down|build|tools`: the Makefile's entry to the local control plane."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasklease.localcluster import binaries
-from tasklease.localcluster.cluster import LocalCluster
-from tasklease.localcluster.crds import apply_crds
+from tasklease.dev import binaries
+from tasklease.dev.cluster import LocalCluster
+from tasklease.dev.crds import apply_crds
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tasklease.localcluster",
+        prog="python -m tasklease.dev",
         description="Run a real kube-apiserver, etcd and kube-controller-manager on 127.0.0.1.",
     )
     parser.add_argument("--workdir", type=Path, default=Path(".cache/cluster"),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from tasklease.localcluster import binaries
+from tasklease.dev import binaries
 
 ADMIN_USER = "tasklease-admin"
 _STATE_FILE = "cluster.json"

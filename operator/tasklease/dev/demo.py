@@ -16,11 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from tasklease import errors, lease
+from tasklease.api import errors, models
+from tasklease.protocol import record
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
-from tasklease.localcluster import binaries
-from tasklease.localcluster.cluster import LocalCluster, free_port
-from tasklease.localcluster.crds import apply_crds
+from tasklease.dev import binaries
+from tasklease.dev.cluster import LocalCluster, free_port
+from tasklease.dev.crds import apply_crds
 
 NAMESPACE = "tasklease-demo"
 QUEUE = "thumbnails"
@@ -112,8 +113,8 @@ def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 def _wait_for_holder(kube: Kube, pod: str, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for obj in kube.list(LEASES, label_selector=f"{lease.LABEL_HOLDER_POD}={pod}")["items"]:
-            if lease.decode(obj).state == lease.HELD:
+        for obj in kube.list(LEASES, label_selector=f"{record.LABEL_HOLDER_POD}={pod}")["items"]:
+            if record.decode(obj).state == record.HELD:
                 return str(obj["metadata"]["name"])
         time.sleep(0.2)
     raise errors.TaskleaseError(f"{pod} claimed nothing within {timeout:.0f}s")
@@ -125,12 +126,11 @@ def _wait_all_finished(kube: Kube, kubeconfig: Path, timeout: float = 180) -> No
     while time.monotonic() < deadline:
         tasks = kube.list(TASKS)["items"]
         phases = [(t.get("status") or {}).get("phase", "Pending") for t in tasks]
-        summary = ", ".join(f"{p} {phases.count(p)}" for p in ("Pending", "Running", "Succeeded", "Failed")
-                            if phases.count(p))
+        summary = ", ".join(f"{p} {phases.count(p)}" for p in models.Phase if phases.count(p))
         if summary != last:
             _say(summary)
             last = summary
-        if all(p in ("Succeeded", "Failed", "Cancelled") for p in phases):
+        if all(p in models.TERMINAL_PHASES for p in phases):
             return
         time.sleep(0.5)
     raise errors.TaskleaseError(f"tasks not finished after {timeout:.0f}s:\n{_kubectl(kubeconfig, 'get', 'tasks')}")
@@ -140,7 +140,7 @@ def _wait_requeued(kube: Kube, name: str, holder_pod: str, since: float, timeout
     """Seconds from `since` until the dead agent's lease on `name` was expired by the operator."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rec = lease.decode(kube.get(LEASES, name))
+        rec = record.decode(kube.get(LEASES, name))
         if rec.holder_pod != holder_pod:
             return time.monotonic() - since
         time.sleep(0.1)

@@ -25,11 +25,14 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from tasklease import errors, lease, metrics, models, projection
-from tasklease.expiry import DeadlineQueue, LeaseClock, Monotonic
+from tasklease.api import errors, models, timestamps
+from tasklease.operator import metrics, projection
+from tasklease.protocol import record
+from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
-from tasklease.lease import LeaseRecord, Protocol, TaskView
-from tasklease.models import Phase
+from tasklease.protocol import LeaseRecord, Protocol, TaskView
+from tasklease.protocol.rules import Blocker, blocker
+from tasklease.api.models import Phase
 
 log = logging.getLogger("tasklease.operator")
 
@@ -43,7 +46,7 @@ _SEED_TIMEOUT_S = 3.0
 
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
-                 monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = lease.now_utc,
+                 monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
                  component: str = "tasklease-operator") -> None:
         self.kube = kube
         self.namespaces = namespaces  # None: all
@@ -84,7 +87,7 @@ class Reconciler:
     def _apply_lease(self, key: Key, kind: str, obj: JSON) -> None:
         """Caller holds the lock."""
         try:
-            rec = lease.decode(obj)
+            rec = record.decode(obj)
         except (ValueError, KeyError, TypeError):
             log.exception("lease %s/%s cannot be read; ignoring it", *key)
             kind = "DELETED"  # a version we cannot read must not stay cached as if current
@@ -97,7 +100,7 @@ class Reconciler:
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
         """Caller holds the lock."""
         self._leases[key] = rec
-        if rec.state == lease.HELD:
+        if rec.state == record.HELD:
             # The moment we first see this version is what expiry is measured from.
             self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
         else:
@@ -113,7 +116,7 @@ class Reconciler:
             self._pods_alive[pod] = alive
             if not alive:
                 for key, rec in self._leases.items():
-                    if key[0] == pod[0] and rec.state == lease.HELD and rec.holder_pod == pod[1]:
+                    if key[0] == pod[0] and rec.state == record.HELD and rec.holder_pod == pod[1]:
                         self._enqueue(key)
 
     def activate(self) -> None:
@@ -134,7 +137,7 @@ class Reconciler:
                 try:
                     # Short: on the election thread a slow answer would delay leader renewals.
                     listed = self.kube.list(LEASES, namespace=ns, all_namespaces=ns is None,
-                                            label_selector=lease.MANAGED_SELECTOR, timeout=_SEED_TIMEOUT_S)
+                                            label_selector=record.MANAGED_SELECTOR, timeout=_SEED_TIMEOUT_S)
                     break
                 except errors.TaskleaseError as exc:
                     log.warning("listing Leases before acting failed (%s)%s", exc,
@@ -211,7 +214,8 @@ class Reconciler:
             task, rec = self._tasks.get(key), self._leases.get(key)
         if task is None or (rec is not None and rec.owner_uid != task["metadata"]["uid"]):
             if rec is not None:
-                self._remove_orphan(rec)
+                if self.protocol.remove_orphan(rec):
+                    log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
             if task is None:
                 return
         view = TaskView.of(task)
@@ -220,26 +224,25 @@ class Reconciler:
         self._schedule(key, view, rec)
 
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
-        """Steps 1 and 2: at most one protocol write; returns the Lease as it now is."""
-        if view.status_phase in models.TERMINAL_PHASES:
-            return rec  # I4: finished is final, even with its Lease deleted by hand
-        if rec is not None and (rec.state == lease.CLOSED or rec.owner_uid != view.uid):
-            return rec
-        key = (view.namespace, view.name)
-        if view.spec.cancel:
+        """Steps 1 and 2: at most one protocol write; returns the Lease as it now is. What to
+        do follows from why the task is not claimable (`rules.blocker`, the agents' rule)."""
+        found = blocker(view, rec, self.clock())
+        if found is Blocker.CANCELLED:
             return self._remember(rec, self.protocol.close(view, rec, phase=Phase.CANCELLED, reason="Cancelled",
                                                            message="cancelled on request (spec.cancel)"))
-        if view.spec.deadline is not None and self.clock() >= view.spec.deadline:
+        if found is Blocker.PAST_DEADLINE:
+            assert view.spec.deadline is not None
             return self._remember(rec, self.protocol.close(
                 view, rec, phase=Phase.FAILED, reason="DeadlineExceeded",
                 message=f"deadline {view.spec.deadline.isoformat()} passed"))
-        if rec is not None and rec.state == lease.FREE and rec.epoch >= view.spec.max_attempts:
+        if found is Blocker.SPENT and rec is not None:
             # maxAttempts was lowered below the attempts already made: nobody may claim it again.
             return self._remember(rec, self.protocol.close(
                 view, rec, phase=Phase.FAILED, reason="DeadLettered",
                 message=f"all {view.spec.max_attempts} attempts are spent"))
-        if rec is None or rec.state != lease.HELD:
-            return rec
+        if found is not Blocker.HELD or rec is None:
+            return rec  # claimable, backing off, or finished for good (I4)
+        key = (view.namespace, view.name)
         with self._cond:
             pod_gone = self._pods_alive.get((rec.namespace, rec.holder_pod)) is False
             timed_out = self._lease_clock.expired(key, rec.resource_version)
@@ -313,11 +316,11 @@ class Reconciler:
         """Step 4: when this key needs a look without any event."""
         wakes = []
         with self._cond:
-            if rec is not None and rec.state == lease.HELD:
+            if rec is not None and rec.state == record.HELD:
                 at = self._lease_clock.expires_at(key)
                 if at is not None:
                     wakes.append(at)
-            if view.spec.deadline is not None and (rec is None or rec.state != lease.CLOSED):
+            if view.spec.deadline is not None and (rec is None or rec.state != record.CLOSED):
                 wakes.append(self.monotonic() + max((view.spec.deadline - self.clock()).total_seconds(), 0.0))
             if wakes:
                 self._deadlines.schedule(key, min(wakes))
@@ -331,20 +334,6 @@ class Reconciler:
             if current is None or before is None or current.resource_version == before.resource_version:
                 self._cache(key, after)
         return after
-
-    def _remove_orphan(self, rec: LeaseRecord) -> None:
-        """A Lease whose Task is gone, or belongs to an older Task of the same name. The
-        garbage collector removes most; this covers a Lease that outlived it. Checked live:
-        our cache may simply not have seen the Task yet."""
-        live = self.kube.get_or_none(TASKS, rec.name, namespace=rec.namespace)
-        if live is not None and live["metadata"]["uid"] == rec.owner_uid:
-            return
-        try:
-            self.kube.delete(LEASES, rec.name, namespace=rec.namespace,
-                             preconditions={"uid": rec.raw["metadata"]["uid"], "resourceVersion": rec.resource_version})
-            log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
-        except errors.NotFound:
-            pass
 
     def _set_phase(self, key: Key, value: tuple[str, str] | None) -> None:
         """Caller holds the lock. Keeps the tasks-by-queue-and-phase gauge exact."""

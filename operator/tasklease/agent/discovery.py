@@ -7,14 +7,16 @@ a waiting agent sleeps until a watch event arrives or the earliest backoff runs 
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from datetime import datetime
 
-from tasklease import errors, lease, models
+from tasklease.api import errors, models, timestamps
+from tasklease.protocol import record
 from tasklease.kube import JSON, LEASES, TASKS, Kube
-from tasklease.lease import LeaseRecord, TaskView
-from tasklease.watching import Reflector
+from tasklease.protocol import LeaseRecord, TaskView, why_not_claimable
+from tasklease.kube.watching import Reflector
 
 
 
@@ -26,14 +28,14 @@ def task_selector(queue: str) -> str:
 def lease_selector(queue: str) -> str:
     # Not `state!=closed`: when an object stops matching a selector the watch reports it
     # DELETED with its *previous* state, so a closing Lease would look like a vanished one.
-    return f"{lease.LABEL_QUEUE}={queue}"
+    return f"{record.LABEL_QUEUE}={queue}"
 
 
 def claimable(tasks: dict[str, TaskView], leases: dict[str, LeaseRecord],
               now: datetime) -> list[tuple[TaskView, LeaseRecord | None]]:
     """The tasks that may be claimed now, each with its Lease (None: never claimed)."""
     return [(t, leases.get(name)) for name, t in tasks.items()
-            if lease.why_not_claimable(t, leases.get(name), now) is None]
+            if why_not_claimable(t, leases.get(name), now) is None]
 
 
 class QueueView:
@@ -79,10 +81,10 @@ class QueueView:
 
     def next_not_before(self) -> datetime | None:
         """The earliest backoff still running among open tasks: when to look again without an event."""
-        now = lease.now_utc()
+        now = timestamps.now_utc()
         with self._changed:
             times = [r.not_before for name, r in self._leases.items()
-                     if r.not_before is not None and r.not_before > now and r.state == lease.FREE
+                     if r.not_before is not None and r.not_before > now and r.state == record.FREE
                      and name in self._tasks]
         return min(times) if times else None
 
@@ -112,7 +114,7 @@ class QueueView:
             self._bump()
 
     def _on_lease(self, kind: str, obj: JSON) -> None:
-        rec = lease.decode(obj)
+        rec = record.decode(obj)
         with self._changed:
             if kind == "DELETED":
                 self._leases.pop(rec.name, None)
@@ -132,3 +134,14 @@ class QueueView:
     def _bump(self) -> None:
         self._generation += 1
         self._changed.notify_all()
+
+
+def pick(candidates: list[tuple[TaskView, LeaseRecord | None]], *, best_of: int,
+         rng: random.Random) -> list[tuple[TaskView, LeaseRecord | None]]:
+    """The few to try now: the `best_of` highest-priority (then oldest) candidates, shuffled,
+    so that a fleet woken by the same event does not race for the same task. The rest wait
+    for the next look, when the winners' Leases have arrived through the watch."""
+    ranked = sorted(candidates, key=lambda c: (-c[0].spec.priority, c[0].created, c[0].name))
+    head = ranked[:best_of]
+    rng.shuffle(head)
+    return head

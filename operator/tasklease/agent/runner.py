@@ -19,13 +19,11 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from tasklease import errors, models
-from tasklease.agent import Agent, ClaimedTask
+from tasklease.api import errors, models
+from tasklease.agent.sdk import Agent, ClaimedTask
 
 log = logging.getLogger(__name__)
 
-EXIT_COMMAND_FAILED = 11
-EXIT_STOPPED = 143
 _DRAIN_S = 2.0
 
 
@@ -69,7 +67,7 @@ class Runner:
                 code = exc.exit_code
             if not loop:
                 return code
-        return EXIT_STOPPED
+        return errors.RUN_STOPPED
 
     def _run_one(self, task: ClaimedTask) -> int:
         payload = json.dumps(task.payload, separators=(",", ":"))
@@ -109,14 +107,14 @@ class Runner:
                                    f"the command was stopped")
         if self.stopping.is_set():
             task.release(f"agent {task.holder} was stopped")
-            return EXIT_STOPPED
+            return errors.RUN_STOPPED
         if code == 0:
             task.complete(tail.text())
             log.info("completed %s/%s (attempt %d)", task.namespace, task.name, task.epoch)
             return 0
         task.fail(f"{self.argv[0]} exited with code {code}", retryable=True)
         log.warning("%s/%s attempt %d failed: exit code %d", task.namespace, task.name, task.epoch, code)
-        return EXIT_COMMAND_FAILED
+        return errors.RUN_COMMAND_FAILED
 
     def _terminate(self, child: subprocess.Popen[bytes]) -> None:
         """SIGTERM to the command's process group, SIGKILL after the grace period."""

@@ -1,9 +1,6 @@
 """`tasklease` (and `kubectl tasklease`): parse, call, print. One clear line on error.
 
-Exit codes: 0 ok · 1 unexpected error · 2 bad flags · 3 nothing claimable · 4 lost
-ownership · 5 no such task · 6 forbidden (RBAC) · 7 no cluster reachable · 8 CRD not
-installed · 9 refused (invalid task, or not possible in its state) · 10 conflict ·
-11 `run`: the command failed (failure recorded) · 143 `run`: stopped by a signal.
+The exit codes are `tasklease.api.errors.exit_codes()`, printed by `tasklease --help`.
 """
 
 from __future__ import annotations
@@ -19,22 +16,21 @@ from typing import Any
 
 import yaml
 
-from tasklease import errors, lease, models
-from tasklease.agent import Agent, Identity
+from tasklease.api import errors, models, timestamps
+from tasklease.agent.sdk import Agent, Identity
 from tasklease.kube import EVENTS, TASKS, Kube
-from tasklease.lease import Protocol, TaskView
+from tasklease.protocol import Held, Protocol, TaskView
 
-EPILOG = """\
-exit codes: 0 ok, 1 unexpected error, 2 bad flags, 3 nothing claimable, 4 lost ownership,
-  5 no such task, 6 forbidden (RBAC), 7 no cluster reachable, 8 CRD not installed,
-  9 refused (invalid task or state), 10 conflict, 11 run: command failed, 143 run: stopped
-
+EPILOG = "exit codes:\n" + "".join(f"  {code:>3}  {meaning}\n" for code, meaning in errors.exit_codes()) + """
 examples:
   tasklease submit --queue emails --payload '{"to": "a@example.com"}'
   tasklease list --queue emails
   tasklease run --queue emails --loop -- ./send-email.sh
   eval "$(tasklease claim --queue emails --format env)" && ... && tasklease complete "$TASKLEASE_TASK"
 """
+
+# The model's defaults, quoted in --help (never restated).
+_SPEC = models.TaskSpec(queue="q")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,12 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="task name (default: generated from the queue)")
     p.add_argument("--payload", help="payload as a JSON object")
     p.add_argument("--payload-file", help="file holding the payload as JSON")
-    p.add_argument("--priority", type=int, help="higher runs first (default 0)")
-    p.add_argument("--max-attempts", type=int, help="claims before dead-lettering (default 3)")
-    p.add_argument("--lease-duration", type=int, help="lease duration in seconds (default 30)")
-    p.add_argument("--backoff-initial", type=int, help="seconds before the second attempt (default 5)")
-    p.add_argument("--backoff-max", type=int, help="upper bound of the backoff (default 300)")
-    p.add_argument("--backoff-policy", choices=["Exponential", "Fixed"])
+    p.add_argument("--priority", type=int, help=f"higher runs first (default {_SPEC.priority})")
+    p.add_argument("--max-attempts", type=int, help=f"claims before dead-lettering (default {_SPEC.max_attempts})")
+    p.add_argument("--lease-duration", type=int,
+                   help=f"lease duration in seconds (default {_SPEC.lease_duration_seconds})")
+    p.add_argument("--backoff-initial", type=int,
+                   help=f"seconds before the second attempt (default {_SPEC.backoff.initial_seconds})")
+    p.add_argument("--backoff-max", type=int,
+                   help=f"upper bound of the backoff (default {_SPEC.backoff.max_seconds})")
+    p.add_argument("--backoff-policy", choices=[p.value for p in models.BackoffPolicy],
+                   help=f"(default {_SPEC.backoff.policy.value})")
     p.add_argument("--deadline", help="RFC 3339 time after which the task fails (DeadlineExceeded)")
 
     p = command("list", "list tasks", cmd_list)
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
     p = command("operator", "run the operator (kopf): status, expiry, requeue, dead letters", cmd_operator)
-    from tasklease.controller import add_operator_arguments
+    from tasklease.operator.options import add_operator_arguments
 
     add_operator_arguments(p)
     return parser
@@ -246,7 +246,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     return _end(args, "Released", lambda p, h: p.release(h))
 
 
-def _end(args: argparse.Namespace, outcome: str, write: Callable[[Protocol, lease.Held], lease.Held],
+def _end(args: argparse.Namespace, outcome: str, write: Callable[[Protocol, Held], Held],
          result: str = "") -> int:
     kube, protocol = _held_by_args(args)
     protocol.end(kube.namespace, args.name, holder=args.holder, epoch=args.epoch, outcome=outcome,
@@ -271,7 +271,7 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tasklease.runner import Runner
+    from tasklease.agent.runner import Runner
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
@@ -281,7 +281,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
-    from tasklease.controller import run_operator
+    from tasklease.operator.controller import run_operator
 
     return run_operator(args)
 
@@ -344,7 +344,7 @@ def _print_table(rows: list[list[str]]) -> None:
 
 
 def _age(timestamp: str) -> str:
-    seconds = int((lease.now_utc() - (lease.parse_time(timestamp) or lease.now_utc())).total_seconds())
+    seconds = int((timestamps.now_utc() - (timestamps.parse_time(timestamp) or timestamps.now_utc())).total_seconds())
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"

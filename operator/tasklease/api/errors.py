@@ -1,53 +1,63 @@
-"""Errors as types, each with the CLI exit code documented in the README.
+"""Errors as types, and the one table of `tasklease` exit codes.
 
 One class per answer the protocol must tell apart; never a bool or a string to parse.
+Each class carries its exit code and what it means; `exit_codes()` adds the codes that
+are not errors. The CLI's help is made from it and a test checks the README against it.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
 
 
 class TaskleaseError(Exception):
     """Base class: `exit_code` is what `tasklease` exits with when this ends a command."""
 
     exit_code: ClassVar[int] = 1
+    meaning: ClassVar[str] = "unexpected error"
 
 
 class NothingToClaim(TaskleaseError):
     exit_code = 3
+    meaning = "nothing claimable"
 
 
 class LostLease(TaskleaseError):
     """The caller no longer holds the task: expired, cancelled, taken over or deleted."""
 
     exit_code = 4
+    meaning = "lost ownership (expired, cancelled, taken over)"
 
 
 class NotFound(TaskleaseError):
     exit_code = 5
+    meaning = "no such task"
 
 
 class Forbidden(TaskleaseError):
     """RBAC (403) or authentication (401) said no."""
 
     exit_code = 6
+    meaning = "forbidden (RBAC)"
 
 
 class Unreachable(TaskleaseError):
     """No cluster configuration, or the API server does not answer."""
 
     exit_code = 7
+    meaning = "no cluster reachable / no configuration"
 
 
 class CRDMissing(TaskleaseError):
     exit_code = 8
+    meaning = "the Task CRD is not installed"
 
 
 class Invalid(TaskleaseError):
     """The API server refused the object (422), or the request makes no sense in the task's state."""
 
     exit_code = 9
+    meaning = "refused: invalid task, or not possible in its state"
 
 
 class NotClaimable(Invalid):
@@ -58,6 +68,7 @@ class Conflict(TaskleaseError):
     """409: the object moved since it was read (or already exists). Somebody else's write won."""
 
     exit_code = 10
+    meaning = "conflict"
 
 
 class Gone(TaskleaseError):
@@ -68,24 +79,22 @@ class ServerError(TaskleaseError):
     """5xx or 429: transient, worth a retry."""
 
 
-def from_status(status: int, message: str, *, path: str) -> TaskleaseError:
-    if status == 409:
-        return Conflict(message)
-    if status == 404:
-        # A missing resource answers with a plain 404, not a Status about an object.
-        if "/apis/tasklease.dev/" in path and ("could not find the requested resource" in message
-                                               or "page not found" in message):
-            return CRDMissing("the Task CRD (tasks.tasklease.dev) is not installed in this cluster: "
-                              "kubectl apply -f crds/")
-        return NotFound(message)
-    if status in (401, 403):
-        return Forbidden(message)
-    if status == 422 or status == 400:
-        return Invalid(message)
-    if status == 410:
-        return Gone(message)
-    if status == 0:
-        return Unreachable(message or "cannot reach the Kubernetes API server")
-    if status == 429 or status >= 500:
-        return ServerError(f"{status}: {message}")
-    return TaskleaseError(f"{status}: {message}")
+RUN_COMMAND_FAILED: Final = 11
+RUN_STOPPED: Final = 143  # 128 + SIGTERM, as a shell reports a process ended by it
+_NOT_ERRORS: Final = {
+    0: "ok",
+    2: "bad flags",
+    RUN_COMMAND_FAILED: "`run`: the command failed (the failure is recorded)",
+    RUN_STOPPED: "`run`: stopped by SIGTERM/SIGINT (the task was released)",
+}
+
+
+def exit_codes() -> list[tuple[int, str]]:
+    """Every exit code of `tasklease`, in order: the error classes' and the others."""
+    codes = dict(_NOT_ERRORS)
+    pending: list[type[TaskleaseError]] = [TaskleaseError]
+    while pending:
+        cls = pending.pop()
+        codes.setdefault(cls.exit_code, cls.meaning)
+        pending.extend(cls.__subclasses__())
+    return sorted(codes.items())

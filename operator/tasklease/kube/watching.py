@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tasklease import errors
+from tasklease.api import errors
 from tasklease.kube import JSON, Kube, Resource
 
 log = logging.getLogger(__name__)

@@ -26,35 +26,16 @@ from typing import Any
 import kopf
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tasklease import errors, lease, metrics, models
-from tasklease.expiry import DEFAULT_GRACE_S
+from tasklease.api import errors, models
+from tasklease.operator import metrics
+from tasklease.protocol import record
 from tasklease.kube import Kube
-from tasklease.leader import ElectionConfig, LeaderElector
-from tasklease.reconciler import Reconciler
+from tasklease.operator.leader import ElectionConfig, LeaderElector
+from tasklease.operator.reconciler import Reconciler
 
 log = logging.getLogger("tasklease.operator")
 
 AGENT_POD_SELECTOR = "tasklease.dev/agent=true"
-
-
-def add_operator_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--namespace", action="append", dest="namespaces", metavar="NS",
-                   help="only watch this namespace (repeatable; default: all namespaces)")
-    p.add_argument("-A", "--all-namespaces", action="store_true",
-                   help="watch all namespaces (the default when no --namespace is given)")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                   help=f"seconds added to leaseDurationSeconds before a silent holder is expired "
-                        f"(default {DEFAULT_GRACE_S:g})")
-    p.add_argument("--workers", type=int, default=2, help="reconcile threads (default 2)")
-    p.add_argument("--http-port", type=int, default=8080,
-                   help="port for /metrics, /healthz and /readyz (default 8080; 0 disables)")
-    p.add_argument("--http-host", default="0.0.0.0", help="address for the HTTP endpoints (default 0.0.0.0)")
-    p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
-                   help="elect one active replica through a Lease (default on; off for a single replica)")
-    p.add_argument("--leader-election-namespace",
-                   help="namespace of the election Lease (default: $POD_NAMESPACE or the kubeconfig's)")
-    p.add_argument("--leader-election-lease-duration", type=float, default=15.0,
-                   help="seconds a standby waits for a silent leader before taking over (default 15)")
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -84,7 +65,7 @@ def run_operator(args: argparse.Namespace) -> int:
              "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
-        _run_kopf(reconciler, kube, args, ready)
+        _run_kopf(reconciler, kube, args, ready, identity)
     finally:
         stop.set()
         if elector is not None:
@@ -94,13 +75,17 @@ def run_operator(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event) -> None:
+def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event,
+              identity: str) -> None:
     registry = _registry(reconciler, kube)
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Our identity, not kopf's default: that asks getpass.getuser(), which fails for a uid
+    # without a passwd entry (the image's 65532).
     kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
-             namespaces=args.namespaces or (), ready_flag=ready)
+             namespaces=args.namespaces or (), ready_flag=ready,
+             identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
 
 
 def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
@@ -108,7 +93,7 @@ def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.watching.label_selectors["coordination.k8s.io", "leases"] = lease.MANAGED_SELECTOR
+        settings.watching.label_selectors["coordination.k8s.io", "leases"] = record.MANAGED_SELECTOR
         settings.watching.label_selectors["v1", "pods"] = AGENT_POD_SELECTOR
         settings.posting.enabled = False
         # Reconnect at least every 5 minutes; kopf's inactivity timeout (70 s, with

@@ -1,6 +1,6 @@
 """A thin, typed door to the Kubernetes API: raw JSON in and out, HTTP statuses as exceptions.
 
-Everything above this module speaks dicts and the exceptions in `tasklease.errors`;
+Everything above this module speaks dicts and the exceptions in `tasklease.api.errors`;
 only this module knows about the `kubernetes` client. Writes are never retried here:
 a 409 is an answer the protocol must see.
 """
@@ -17,7 +17,7 @@ from urllib.parse import quote
 import urllib3
 from kubernetes import client, config
 
-from tasklease import errors, models
+from tasklease.api import errors, models
 
 JSON = dict[str, Any]
 # Unknown fields are an error, not silently dropped (outside `payload`, which keeps them).
@@ -116,7 +116,7 @@ class Kube:
         if resp.status >= 400:
             message = _message(resp.data)
             resp.release_conn()
-            raise errors.from_status(resp.status, message, path=path)
+            raise _error_for(resp.status, message, path=path)
         return resp
 
     def get(self, res: Resource, name: str, *, namespace: str | None = None, timeout: float = 30) -> JSON:
@@ -171,6 +171,27 @@ class Kube:
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
         finally:
             resp.release_conn()
+
+
+def _error_for(status: int, message: str, *, path: str) -> errors.TaskleaseError:
+    if status == 409:
+        return errors.Conflict(message)
+    if status == 404:
+        # A resource the server does not serve answers with a plain 404, not a Status about an object.
+        if path.startswith(TASKS.path(None).rsplit("/", 1)[0]) and (
+                "could not find the requested resource" in message or "page not found" in message):
+            return errors.CRDMissing(f"the Task CRD ({models.PLURAL}.{models.GROUP}) is not installed in this "
+                                     "cluster: kubectl apply -f crds/")
+        return errors.NotFound(message)
+    if status in (401, 403):
+        return errors.Forbidden(message)
+    if status in (400, 422):
+        return errors.Invalid(message)
+    if status == 410:
+        return errors.Gone(message)
+    if status == 429 or status >= 500:
+        return errors.ServerError(f"{status}: {message}")
+    return errors.TaskleaseError(f"{status}: {message}")
 
 
 def _selectors(label_selector: str, field_selector: str) -> dict[str, str]:

@@ -33,17 +33,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from tasklease import errors, lease
-from tasklease.agent import Agent, Identity
+from tasklease.api import errors
+from tasklease.protocol import Held, record
+from tasklease.agent.sdk import Agent, Identity
 from tasklease.kube import LEASES, NAMESPACES, PODS, TASKS, Kube
-from tasklease.localcluster.cluster import LocalCluster, free_port, namespaced_kubeconfig
-from tasklease.localcluster.crds import apply_crds
+from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig
+from tasklease.dev.crds import apply_crds
 
 T = TypeVar("T")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasklease.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tasklease.dev.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--workers", type=int, default=8)
@@ -132,9 +133,9 @@ def _run_workers(mode: str, kube: Kube, kubeconfig: Path, args: argparse.Namespa
     """One process per worker, as agents are separate pods; the clock starts when all are ready."""
     config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
     go = kubeconfig.parent / f"{kube.namespace}.go"
-    procs = [subprocess.Popen([sys.executable, "-m", "tasklease.bench", "--worker", mode, "--kubeconfig", str(config),
-                               "--go", str(go), "--index", str(i), "--tasks", str(args.tasks),
-                               "--workers", str(args.workers)],
+    procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
+                               "--kubeconfig", str(config), "--go", str(go), "--index", str(i),
+                               "--tasks", str(args.tasks), "--workers", str(args.workers)],
                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
              for i in range(args.workers)]
     for proc in procs:
@@ -180,7 +181,7 @@ def _worker(mode: str, kubeconfig: str, go: Path, index: int, tasks: int, worker
         agent.watch("bench")
         original = agent.protocol.claim
 
-        def timed_claim(*a: object, **kw: object) -> lease.Held:
+        def timed_claim(*a: object, **kw: object) -> Held:
             nonlocal conflicts
             started = time.perf_counter()
             try:
@@ -228,7 +229,7 @@ def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: 
             # The command outlives its killed agent a little: short enough to end by itself.
             agents.append(_spawn(["run", f"--kubeconfig={ns_config}", "--queue", pod, "--", "sleep", "20"],
                                  env={"POD_NAME": pod}))
-        _until(lambda: all(_state(kube, f"victim-{i}") == lease.HELD for i in range(kills)), 60, "agents to claim")
+        _until(lambda: all(_state(kube, f"victim-{i}") == record.HELD for i in range(kills)), 60, "agents to claim")
         _until(lambda: _get_ok(port), 60, "the operator to be ready")
         time.sleep(1)  # the operator has seen the held leases
         killed_at = time.monotonic()
@@ -242,7 +243,7 @@ def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: 
         def all_freed() -> bool:
             for i in range(kills):
                 name = f"victim-{i}"
-                if name not in freed and _state(kube, name) == lease.FREE:
+                if name not in freed and _state(kube, name) == record.FREE:
                     freed[name] = time.monotonic() - killed_at
             return len(freed) == kills
         _until(all_freed, 60, "every lease to be freed", interval=0.05)
@@ -291,7 +292,7 @@ def _ms(value: float | None) -> str:
 
 def _state(kube: Kube, name: str) -> str:
     obj = kube.get_or_none(LEASES, name)
-    return lease.decode(obj).state if obj else ""
+    return record.decode(obj).state if obj else ""
 
 
 def _until(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:

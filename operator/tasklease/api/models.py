@@ -1,7 +1,7 @@
 """The Task resource: pydantic models of its spec and status, the single source of truth.
 
 The CRD's OpenAPI schema (`crds/tasks.tasklease.dev.yaml`) is generated from these
-classes by `tasklease.crd`; a test fails when the checked-in file is stale. No I/O here.
+classes by `tasklease.api.crd`; a test fails when the checked-in file is stale. No I/O here.
 """
 
 from __future__ import annotations

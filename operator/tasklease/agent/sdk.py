@@ -31,10 +31,11 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from tasklease import errors, lease
-from tasklease.discovery import QueueView, claimable, lease_selector, task_selector
+from tasklease.api import errors, timestamps
+from tasklease.protocol import record
+from tasklease.agent.discovery import QueueView, claimable, pick, lease_selector, task_selector
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.lease import Held, LeaseRecord, Protocol, TaskView
+from tasklease.protocol import Held, LeaseRecord, Protocol, TaskView
 
 log = logging.getLogger(__name__)
 
@@ -300,13 +301,13 @@ class Agent:
     def start(self) -> list[str]:
         """The live check (I5): release at once every lease an older instance of this pod
         still holds, instead of letting it wait out its duration. Returns their names."""
-        selector = f"{lease.LABEL_HOLDER_POD}={lease.label_value(self.identity.pod)}"
+        selector = f"{record.LABEL_HOLDER_POD}={record.label_value(self.identity.pod)}"
         released = []
         for obj in self.kube.list(LEASES, namespace=self.namespace, label_selector=selector).get("items", []):
-            rec = lease.decode(obj)
-            if rec.state != lease.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
+            rec = record.decode(obj)
+            if rec.state != record.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
                 continue
-            if not instance_gone(lease.holder_instance(rec.holder)):
+            if not instance_gone(record.holder_instance(rec.holder)):
                 continue  # a sibling process in this container, not a dead predecessor
             try:
                 self.protocol.release(self.protocol.held_from(rec), f"its agent restarted as {self.identity.holder}")
@@ -327,7 +328,7 @@ class Agent:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            claimed, lost = self._try(view.candidates(lease.now_utc()), interrupt=interrupt)
+            claimed, lost = self._try(view.candidates(timestamps.now_utc()), interrupt=interrupt)
             if claimed is not None:
                 return claimed
             for name in lost:
@@ -343,7 +344,7 @@ class Agent:
                     raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
             next_ready = view.next_not_before()
             if next_ready is not None:
-                wait = min(wait, max((next_ready - lease.now_utc()).total_seconds(), 0.05))
+                wait = min(wait, max((next_ready - timestamps.now_utc()).total_seconds(), 0.05))
             if stop is not None:
                 wait = min(wait, _STOP_CHECK_S)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
@@ -351,9 +352,9 @@ class Agent:
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
         """One look (two LISTs), no watch: for the stateless CLI."""
         tasks = self.kube.list(TASKS, namespace=self.namespace, field_selector=task_selector(queue))["items"]
-        leases = {o["metadata"]["name"]: lease.decode(o) for o in
+        leases = {o["metadata"]["name"]: record.decode(o) for o in
                   self.kube.list(LEASES, namespace=self.namespace, label_selector=lease_selector(queue))["items"]}
-        candidates = claimable({t["metadata"]["name"]: TaskView.of(t) for t in tasks}, leases, lease.now_utc())
+        candidates = claimable({t["metadata"]["name"]: TaskView.of(t) for t in tasks}, leases, timestamps.now_utc())
         while candidates:
             claimed, lost = self._try(candidates, interrupt=interrupt)
             if claimed is not None:
@@ -408,7 +409,7 @@ class Agent:
              interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:
         """Claim one of the best candidates; also returns the names whose race we lost."""
         lost = []
-        for task, rec in lease.pick(candidates, best_of=self.best_of, rng=self.rng):
+        for task, rec in pick(candidates, best_of=self.best_of, rng=self.rng):
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.NotClaimable):

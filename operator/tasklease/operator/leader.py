@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasklease import errors, lease
-from tasklease.kube import JSON, LEASES, Kube
+from tasklease.api import errors
+from tasklease.kube import Kube
+from tasklease.protocol.election import ElectionLock
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class LeaderElector:
         self._stop = threading.Event()
         self._observed_rv = ""
         self._observed_at = 0.0
+        self._lock = ElectionLock(kube, namespace=config.namespace, name=config.name)
         self._thread = threading.Thread(target=self._run, name="leader-election", daemon=True)
 
     def start(self) -> None:
@@ -83,31 +85,23 @@ class LeaderElector:
 
     def _try_acquire_or_renew(self) -> bool:
         """One step, numbered like client-go's tryAcquireOrRenew."""
-        now = _now()
         # An answer later than this is useless: we must be able to give up within the renew deadline.
         timeout = max(self.config.renew_deadline_s / 2, 0.5)
         try:
-            # 1. Obtain the record, or create it.
-            current = self.kube.get_or_none(LEASES, self.config.name, namespace=self.config.namespace,
-                                            timeout=timeout)
-            if current is None:
-                self.kube.create(LEASES, self._record(None, now, transitions=0), namespace=self.config.namespace,
-                                 timeout=timeout)
-                return True
-            spec = current.get("spec", {})
-            holder = spec.get("holderIdentity") or ""
-            # 2. Note when the record last changed, on our own clock.
-            rv = current["metadata"]["resourceVersion"]
-            if rv != self._observed_rv:
-                self._observed_rv, self._observed_at = rv, self.monotonic()
-            # 3. Someone else holds it and has renewed within the lease duration: wait.
-            if holder and holder != self.identity and \
-                    self.monotonic() < self._observed_at + self.config.lease_duration_s:
-                return False
-            # 4. Ours, free or expired: a conditional update.
-            transitions = int(spec.get("leaseTransitions") or 0) + (0 if holder == self.identity else 1)
-            updated = self.kube.replace(LEASES, self._record(current, now, transitions=transitions), timeout=timeout)
-            self._observed_rv, self._observed_at = updated["metadata"]["resourceVersion"], self.monotonic()
+            # 1. Obtain the record (None: nobody has created it yet).
+            current = self._lock.read(timeout=timeout)
+            if current is not None:
+                # 2. Note when the record last changed, on our own clock.
+                if current.resource_version != self._observed_rv:
+                    self._observed_rv, self._observed_at = current.resource_version, self.monotonic()
+                # 3. Someone else holds it and has renewed within the lease duration: wait.
+                if current.holder and current.holder != self.identity and \
+                        self.monotonic() < self._observed_at + self.config.lease_duration_s:
+                    return False
+            # 4. Ours, free or expired: a create or a conditional update.
+            updated = self._lock.hold(current, self.identity, duration_s=self.config.lease_duration_s,
+                                      timeout=timeout)
+            self._observed_rv, self._observed_at = updated.resource_version, self.monotonic()
             return True
         except errors.Conflict:
             return False
@@ -115,28 +109,10 @@ class LeaderElector:
             log.warning("leader election: %s", exc)
             return False
 
-    def _record(self, current: JSON | None, now: str, *, transitions: int) -> JSON:
-        spec = dict((current or {}).get("spec") or {})
-        if spec.get("holderIdentity") != self.identity:
-            spec["acquireTime"] = now
-        spec.update(holderIdentity=self.identity, leaseDurationSeconds=int(self.config.lease_duration_s),
-                    renewTime=now, leaseTransitions=transitions)
-        meta = {"name": self.config.name, "namespace": self.config.namespace}
-        if current is not None:
-            meta["resourceVersion"] = current["metadata"]["resourceVersion"]
-        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
-
     def _release(self) -> None:
         """On a clean shutdown hand over at once instead of after a lease duration."""
         try:
-            current = self.kube.get(LEASES, self.config.name, namespace=self.config.namespace)
-            if current.get("spec", {}).get("holderIdentity") == self.identity:
-                current["spec"]["holderIdentity"] = None
-                self.kube.replace(LEASES, current)
+            self._lock.release(self.identity)
         except errors.TaskleaseError as exc:
             log.info("leader election: release skipped (%s)", exc)
         self.leading.clear()
-
-
-def _now() -> str:
-    return str(lease.format_time(lease.now_utc()))

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from tasklease import lease
-from tasklease.lease import LeaseRecord
-from tasklease.models import Condition, Phase, TaskStatus
+from tasklease.protocol import record
+from tasklease.protocol import LeaseRecord
+from tasklease.api.models import Condition, Phase, TaskStatus
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Transition:
 def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, now: datetime) -> TaskStatus:
     """The status `task` should have, given its Lease `rec` and its current status `old`."""
     generation = int(task["metadata"].get("generation") or 0)
-    if old.phase.terminal and not (rec is not None and rec.state == lease.CLOSED
+    if old.phase.terminal and not (rec is not None and rec.state == record.CLOSED
                                    and rec.owner_uid == task["metadata"]["uid"] and rec.outcome == old.phase.value):
         # I4: a terminal phase is final, even if its Lease was deleted or recreated by hand.
         return old
@@ -45,10 +45,10 @@ def _from_lease(rec: LeaseRecord) -> TaskStatus:
     last = rec.history[-1] if rec.history else None
     status = TaskStatus(attempt=rec.epoch, history=list(rec.history), last_error=rec.error,
                         claimed_at=rec.acquired_at if rec.epoch else None, not_before=rec.not_before)
-    if rec.state == lease.HELD:
+    if rec.state == record.HELD:
         status.phase, status.reason, status.holder = Phase.RUNNING, "Held", rec.holder
         status.renewed_at = rec.renewed_at
-    elif rec.state == lease.CLOSED:
+    elif rec.state == record.CLOSED:
         status.phase, status.reason = Phase(rec.outcome), rec.reason
         status.result, status.completed_at = rec.result, rec.renewed_at
     else:

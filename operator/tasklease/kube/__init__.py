@@ -1,0 +1,12 @@
+"""The typed door to the Kubernetes API, and watching.
+
+Raw JSON in and out, HTTP statuses as exceptions, and watches that resume from their
+resourceVersion.
+
+Rule: the only package that knows the `kubernetes` client; writes are never retried here
+(a 409 is an answer the protocol must see).
+"""
+
+from tasklease.kube.client import EVENTS, JSON, LEASES, NAMESPACES, PODS, TASKS, Kube, Resource
+
+__all__ = ["EVENTS", "JSON", "LEASES", "NAMESPACES", "PODS", "TASKS", "Kube", "Resource"]

@@ -1,0 +1,27 @@
+"""The operator's command-line options, kept apart so that `tasklease --help` never loads kopf."""
+
+from __future__ import annotations
+
+import argparse
+
+from tasklease.operator.expiry import DEFAULT_GRACE_S
+
+
+def add_operator_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--namespace", action="append", dest="namespaces", metavar="NS",
+                   help="only watch this namespace (repeatable; default: all namespaces)")
+    p.add_argument("-A", "--all-namespaces", action="store_true",
+                   help="watch all namespaces (the default when no --namespace is given)")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                   help=f"seconds added to leaseDurationSeconds before a silent holder is expired "
+                        f"(default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--workers", type=int, default=2, help="reconcile threads (default 2)")
+    p.add_argument("--http-port", type=int, default=8080,
+                   help="port for /metrics, /healthz and /readyz (default 8080; 0 disables)")
+    p.add_argument("--http-host", default="0.0.0.0", help="address for the HTTP endpoints (default 0.0.0.0)")
+    p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
+                   help="elect one active replica through a Lease (default on; off for a single replica)")
+    p.add_argument("--leader-election-namespace",
+                   help="namespace of the election Lease (default: $POD_NAMESPACE or the kubeconfig's)")
+    p.add_argument("--leader-election-lease-duration", type=float, default=15.0,
+                   help="seconds a standby waits for a silent leader before taking over (default 15)")

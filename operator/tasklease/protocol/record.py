@@ -1,0 +1,131 @@
+"""`LeaseRecord`: what a Lease says, decoded from and encoded to the wire in one place.
+
+Like client-go's resourcelock, the record is neutral: the transitions (`rules`) change
+records, never JSON. A record without an owner (the operator's election Lease) encodes
+without the task labels, so no watch of task Leases ever sees it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Final
+
+from tasklease.api import models
+from tasklease.api.timestamps import format_time, parse_time
+from tasklease.kube import JSON
+
+LABEL_MANAGED: Final = "app.kubernetes.io/managed-by"
+LABEL_QUEUE: Final = "tasklease.dev/queue"
+LABEL_STATE: Final = "tasklease.dev/state"
+LABEL_HOLDER_POD: Final = "tasklease.dev/holder-pod"
+ANN_OUTCOME: Final = "tasklease.dev/outcome"
+ANN_REASON: Final = "tasklease.dev/reason"
+ANN_RESULT: Final = "tasklease.dev/result"
+ANN_ERROR: Final = "tasklease.dev/error"
+ANN_NOT_BEFORE: Final = "tasklease.dev/not-before"
+ANN_HISTORY: Final = "tasklease.dev/history"
+
+MANAGED_SELECTOR: Final = f"{LABEL_MANAGED}=tasklease"
+
+FREE, HELD, CLOSED = "free", "held", "closed"
+_DEFAULT_DURATION_S: Final = int(models.TaskSpec.model_fields["lease_duration_seconds"].default)
+
+
+# -- the neutral record ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """What a Lease says, free of the Lease's wire format."""
+
+    name: str
+    namespace: str
+    queue: str
+    owner_uid: str
+    holder: str = ""
+    epoch: int = 0
+    duration_s: int = _DEFAULT_DURATION_S
+    acquired_at: datetime | None = None
+    renewed_at: datetime | None = None
+    outcome: str = ""  # Succeeded | Failed | Cancelled when closed
+    reason: str = ""
+    result: str = ""
+    error: str = ""
+    not_before: datetime | None = None
+    history: tuple[models.Attempt, ...] = ()
+    resource_version: str = ""
+    raw: JSON = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def state(self) -> str:
+        if self.outcome:
+            return CLOSED
+        return HELD if self.holder else FREE
+
+    @property
+    def holder_pod(self) -> str:
+        return holder_pod(self.holder)
+
+
+def holder_pod(holder: str) -> str:
+    """`<pod>/<instance>` → `<pod>`."""
+    return holder.rsplit("/", 1)[0] if "/" in holder else holder
+
+
+def holder_instance(holder: str) -> str:
+    """`<pod>/<instance>` → `<instance>`."""
+    return holder.rsplit("/", 1)[1] if "/" in holder else ""
+
+
+def decode(lease: JSON) -> LeaseRecord:
+    meta = lease.get("metadata", {})
+    spec = lease.get("spec", {})
+    ann = meta.get("annotations") or {}
+    labels = meta.get("labels") or {}
+    owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == models.KIND]
+    history = tuple(models.Attempt.model_validate(a) for a in json.loads(ann.get(ANN_HISTORY) or "[]"))
+    return LeaseRecord(
+        name=meta["name"], namespace=meta["namespace"], queue=labels.get(LABEL_QUEUE, ""),
+        owner_uid=owners[0]["uid"] if owners else "",
+        holder=spec.get("holderIdentity") or "", epoch=int(spec.get("leaseTransitions") or 0),
+        duration_s=int(spec.get("leaseDurationSeconds") or _DEFAULT_DURATION_S),
+        acquired_at=parse_time(spec.get("acquireTime")), renewed_at=parse_time(spec.get("renewTime")),
+        outcome=ann.get(ANN_OUTCOME, ""), reason=ann.get(ANN_REASON, ""), result=ann.get(ANN_RESULT, ""),
+        error=ann.get(ANN_ERROR, ""), not_before=parse_time(ann.get(ANN_NOT_BEFORE)),
+        history=history, resource_version=meta.get("resourceVersion", ""), raw=lease,
+    )
+
+
+def encode(rec: LeaseRecord) -> JSON:
+    """The whole Lease for a PUT (or POST): carries rec.resource_version as the precondition."""
+    meta: JSON = {"name": rec.name, "namespace": rec.namespace, "annotations": {}}
+    if rec.owner_uid:  # a task's Lease: labelled for the watches, owned for the garbage collector
+        meta["labels"] = {LABEL_MANAGED: "tasklease", LABEL_QUEUE: rec.queue, LABEL_STATE: rec.state}
+        meta["ownerReferences"] = [{
+            "apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND, "name": rec.name,
+            "uid": rec.owner_uid, "controller": True, "blockOwnerDeletion": False,
+        }]
+        if rec.holder:
+            meta["labels"][LABEL_HOLDER_POD] = label_value(rec.holder_pod)
+    if rec.resource_version:
+        meta["resourceVersion"] = rec.resource_version
+    ann = meta["annotations"]
+    for key, value in ((ANN_OUTCOME, rec.outcome), (ANN_REASON, rec.reason), (ANN_RESULT, rec.result),
+                       (ANN_ERROR, rec.error), (ANN_NOT_BEFORE, format_time(rec.not_before))):
+        if value:
+            ann[key] = value
+    if rec.history:
+        ann[ANN_HISTORY] = json.dumps([a.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+                                       for a in rec.history], separators=(",", ":"))
+    spec: JSON = {"leaseDurationSeconds": rec.duration_s, "leaseTransitions": rec.epoch,
+                  "holderIdentity": rec.holder or None,
+                  "acquireTime": format_time(rec.acquired_at), "renewTime": format_time(rec.renewed_at)}
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+
+
+
+def label_value(value: str) -> str:
+    """Pod names longer than a label value allows are cut; the holder itself stays exact."""
+    return value[:63].rstrip("-_.")

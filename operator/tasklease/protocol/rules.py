@@ -1,0 +1,146 @@
+"""The pure transitions of a task's Lease, and the one claimability rule. No I/O here.
+
+Every function takes the time it decides with, so tests pin it. `why_not_claimable` is
+the only statement of "may this task be claimed now?": the agents' server-side
+selectors and the chart's admission policy are checked against it case by case.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from tasklease.api import models
+from tasklease.api.timestamps import format_time
+from tasklease.kube import JSON
+from tasklease.protocol.record import CLOSED, HELD, LeaseRecord
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """The parts of a Task the protocol decides with."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: models.TaskSpec
+    created: str
+    status_attempt: int = 0
+    status_phase: str = ""
+
+    @classmethod
+    def of(cls, task: JSON) -> TaskView:
+        meta = task["metadata"]
+        status = task.get("status") or {}
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
+                   spec=models.TaskSpec.model_validate(task.get("spec", {})),
+                   created=meta.get("creationTimestamp", ""),
+                   status_attempt=int(status.get("attempt") or 0), status_phase=str(status.get("phase") or ""))
+
+
+def fresh_record(task: TaskView) -> LeaseRecord:
+    return LeaseRecord(name=task.name, namespace=task.namespace, queue=task.spec.queue, owner_uid=task.uid,
+                       duration_s=task.spec.lease_duration_seconds)
+
+
+class Blocker(enum.Enum):
+    """Why a task may not be claimed now. The operator acts on the same answer: it closes a
+    CANCELLED or PAST_DEADLINE task, dead-letters a SPENT one and watches a HELD one."""
+
+    FINISHED = "finished"  # its status is terminal, even if its Lease was deleted by hand
+    FOREIGN = "foreign"  # its Lease belongs to an older task of the same name
+    CLOSED = "closed"
+    CANCELLED = "cancelled"
+    PAST_DEADLINE = "past-deadline"
+    HELD = "held"
+    SPENT = "spent"
+    BACKING_OFF = "backing-off"
+
+
+def blocker(task: TaskView, rec: LeaseRecord | None, now: datetime) -> Blocker | None:
+    """The claimability rule, in one place: None when `task` may be claimed now."""
+    if task.status_phase in models.TERMINAL_PHASES:
+        return Blocker.FINISHED
+    if rec is not None and rec.owner_uid != task.uid:
+        return Blocker.FOREIGN
+    if rec is not None and rec.state == CLOSED:
+        return Blocker.CLOSED
+    if task.spec.cancel:
+        return Blocker.CANCELLED
+    if task.spec.deadline is not None and now >= task.spec.deadline:
+        return Blocker.PAST_DEADLINE
+    if rec is None:
+        return None
+    if rec.state == HELD:
+        return Blocker.HELD
+    if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
+        return Blocker.SPENT
+    if rec.not_before is not None and now < rec.not_before:
+        return Blocker.BACKING_OFF
+    return None
+
+
+def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) -> str | None:
+    """`blocker` in words, for logs and errors; None when `task` may be claimed now."""
+    found = blocker(task, rec, now)
+    if found is None:
+        return None
+    if found is Blocker.FINISHED:
+        return f"finished ({task.status_phase})"
+    if found is Blocker.FOREIGN:
+        return "its Lease belongs to an older task of the same name"
+    if rec is not None and found is Blocker.CLOSED:
+        return f"closed ({rec.outcome})"
+    if rec is not None and found is Blocker.HELD:
+        return f"held by {rec.holder}"
+    if rec is not None and found is Blocker.BACKING_OFF:
+        return f"backing off until {format_time(rec.not_before)}"
+    return {Blocker.CANCELLED: "cancelled", Blocker.PAST_DEADLINE: "past its deadline"}.get(found, "attempts spent")
+    if rec.owner_uid != task.uid:
+        return "its Lease belongs to an older task of the same name"
+    if rec.state == CLOSED:
+        return f"closed ({rec.outcome})"
+    if rec.state == HELD:
+        return f"held by {rec.holder}"
+    if rec.not_before is not None and now < rec.not_before:
+        return f"backing off until {format_time(rec.not_before)}"
+    if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
+        return "attempts spent"
+    return None
+
+
+def claimed(task: TaskView, rec: LeaseRecord | None, holder: str, now: datetime) -> LeaseRecord:
+    base = rec or fresh_record(task)
+    # The status projection remembers the epoch even if the Lease was deleted by hand.
+    epoch = max(base.epoch, task.status_attempt) + 1
+    entry = models.Attempt(attempt=epoch, holder=holder, claimed_at=now)
+    return replace(base, holder=holder, epoch=epoch, duration_s=task.spec.lease_duration_seconds,
+                   acquired_at=now, renewed_at=now, not_before=None,
+                   history=(*base.history, entry)[-models.MAX_HISTORY:])
+
+
+def ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", close: str = "",
+           reason: str = "", result: str = "", not_before: datetime | None = None) -> LeaseRecord:
+    """End the current attempt (if any) with `outcome`; `close` makes the Lease terminal."""
+    history = rec.history
+    if rec.holder and history and history[-1].attempt == rec.epoch and not history[-1].outcome:
+        last = history[-1].model_copy(
+            update={"ended_at": now, "outcome": outcome, "message": message[:models.MAX_ERROR_CHARS]})
+        history = (*history[:-1], last)
+    # lastError tells why a task is not done yet; a success has nothing left to explain.
+    error = "" if close == models.Phase.SUCCEEDED.value else (
+        message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") else rec.error)
+    return replace(rec, holder="", renewed_at=now, outcome=close, reason=reason, result=result,
+                   error=error, not_before=not_before, history=history)
+
+
+def requeued(rec: LeaseRecord, spec: models.TaskSpec, *, outcome: str, message: str, now: datetime,
+              backoff: bool) -> LeaseRecord:
+    """Free for the next attempt, or dead-lettered when the attempts are spent (I3)."""
+    if rec.epoch >= spec.max_attempts:
+        return ended(rec, outcome=outcome, now=now, message=message, close=models.Phase.FAILED.value,
+                      reason="DeadLettered")
+    not_before = now + timedelta(seconds=spec.backoff.delay_after(rec.epoch)) if backoff else None
+    return ended(rec, outcome=outcome, now=now, message=message, not_before=not_before)
+

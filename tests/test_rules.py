@@ -1,0 +1,86 @@
+"""The claimability rule and the pure transitions, with a pinned clock: no API server."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from tasklease.api import models
+from tasklease.protocol import record
+from tasklease.protocol.rules import Blocker, TaskView, blocker, claimed, requeued, why_not_claimable
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def _task(phase: str = "", **spec: object) -> TaskView:
+    return TaskView(name="t", namespace="ns", uid="uid-1", spec=models.TaskSpec.model_validate({"queue": "q", **spec}),
+                    created="2026-01-01T00:00:00Z", status_phase=phase)
+
+
+def _free(task: TaskView, **changes: object) -> record.LeaseRecord:
+    rec = record.LeaseRecord(name=task.name, namespace=task.namespace, queue="q", owner_uid=task.uid)
+    return replace(rec, **changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("never claimed", None),
+    ("free", None),
+    ("backoff over", None),
+    ("finished", Blocker.FINISHED),
+    ("foreign", Blocker.FOREIGN),
+    ("closed", Blocker.CLOSED),
+    ("cancelled", Blocker.CANCELLED),
+    ("past deadline", Blocker.PAST_DEADLINE),
+    ("held", Blocker.HELD),
+    ("spent", Blocker.SPENT),
+    ("backing off", Blocker.BACKING_OFF),
+])
+def test_blocker_case_by_case(case: str, expected: Blocker | None) -> None:
+    task = _task()
+    rec: record.LeaseRecord | None = _free(task, epoch=1)
+    if case == "never claimed":
+        rec = None
+    elif case == "backoff over":
+        rec = _free(task, epoch=1, not_before=NOW)
+    elif case == "finished":
+        task = _task(phase=models.Phase.SUCCEEDED.value)
+    elif case == "foreign":
+        rec = _free(task, owner_uid="uid-0")
+    elif case == "closed":
+        rec = _free(task, epoch=1, outcome="Succeeded")
+    elif case == "cancelled":
+        task = _task(cancel=True)
+    elif case == "past deadline":
+        task = _task(deadline=NOW.isoformat())
+    elif case == "held":
+        rec = _free(task, epoch=1, holder="pod/1")
+    elif case == "spent":
+        rec = _free(task, epoch=3)
+    elif case == "backing off":
+        rec = _free(task, epoch=1, not_before=NOW + timedelta(seconds=1))
+    assert blocker(task, rec, NOW) is expected
+    assert (why_not_claimable(task, rec, NOW) is None) == (expected is None)
+
+
+def test_every_terminal_phase_blocks_even_without_a_lease() -> None:
+    for phase in models.TERMINAL_PHASES:
+        assert blocker(_task(phase=phase), None, NOW) is Blocker.FINISHED
+
+
+def test_a_claim_moves_the_epoch_up_by_one_from_the_highest_seen() -> None:
+    task = replace(_task(), status_attempt=4)  # the Lease was recreated by hand at epoch 0
+    held = claimed(task, _free(task), "pod/1", NOW)
+    assert (held.epoch, held.holder, held.state) == (5, "pod/1", record.HELD)
+
+
+def test_requeue_backs_off_then_dead_letters_when_attempts_are_spent() -> None:
+    task = _task(maxAttempts=2, backoff={"initialSeconds": 5, "maxSeconds": 60})
+    first = requeued(claimed(task, None, "pod/1", NOW), task.spec, outcome="Expired", message="", now=NOW,
+                     backoff=True)
+    assert (first.state, first.not_before) == (record.FREE, NOW + timedelta(seconds=5))
+    second = requeued(claimed(task, first, "pod/2", NOW), task.spec, outcome="Failed", message="boom", now=NOW,
+                      backoff=True)
+    assert (second.state, second.outcome, second.reason) == (record.CLOSED, "Failed", "DeadLettered")
+    assert [a.outcome for a in second.history] == ["Expired", "Failed"]
