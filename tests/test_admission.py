@@ -12,7 +12,10 @@ from conftest import Cluster, make_task, service_account_kubeconfig, wait_for
 from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
-from tasklease.kube import LEASES, PODS, Kube
+from tasklease.api.timestamps import now_utc
+from tasklease.kube import LEASES, PODS, TASKS, Kube
+from tasklease.protocol import TaskView
+from tasklease.protocol.rules import Blocker, blocker
 
 AGENT_SA = "tasklease-agent"
 
@@ -48,8 +51,13 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     wait_for(lambda: _denied(lambda: bob_kube.create(LEASES, forged)), timeout=30,
              message="the admission policy to be active")
 
+    # Case by case against the one claimability rule: what the policy lets an agent claim
+    # (a free Lease) and what it refuses (held by another pod, closed) is what `blocker` says.
+    view = TaskView.of(kube.get(TASKS, "guarded"))
+    assert blocker(view, None, now_utc()) is None
     task = alice.claim("g", timeout=30)  # a fair claim passes
     held = copy.deepcopy(kube.get(LEASES, "guarded"))
+    assert blocker(view, record.decode(held), now_utc()) is Blocker.HELD
 
     takeover = copy.deepcopy(held)
     takeover["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
@@ -67,6 +75,7 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
 
     task.complete("done")  # the holder's fair completion passes
     closed = kube.get(LEASES, "guarded")
+    assert blocker(view, record.decode(closed), now_utc()) is Blocker.CLOSED
     reopened = copy.deepcopy(closed)
     reopened["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
     _refused(lambda: bob_kube.replace(LEASES, reopened), "a finished task never runs again")

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
-from tasklease.api import errors
-from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
+from tasklease.agent.discovery import task_selector
+from tasklease.api import errors, models
+from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.protocol import Protocol, TaskView
+from tasklease.protocol import Protocol, TaskView, record
+from tasklease.protocol.rules import Blocker, blocker
 
 FAST = {"leaseDurationSeconds": 5, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}
 
@@ -161,3 +163,17 @@ def test_a_completion_retried_after_its_answer_was_lost_counts_once(kube: Kube) 
     assert record.decode(kube.get(LEASES, "retried")).result == "the result"
     task.detach()
     agent.close()
+
+
+def test_the_queue_selector_drops_exactly_the_finished_tasks(kube: Kube) -> None:
+    """The server-side Task selector agents watch with, case by case against `blocker`."""
+    expected = {}
+    for phase in models.Phase:
+        name = f"in-{phase.value.lower()}"
+        task = make_task(kube, name, queue="sel")
+        task["status"] = {"phase": phase.value}
+        kube.replace(TASKS, task, sub="status")
+        expected[name] = blocker(TaskView.of(kube.get(TASKS, name)), None, now_utc()) is not Blocker.FINISHED
+    listed = {t["metadata"]["name"] for t in kube.list(TASKS, field_selector=task_selector("sel"))["items"]}
+    assert {name: name in listed for name in expected} == expected
+    assert not all(expected.values()) and any(expected.values())
