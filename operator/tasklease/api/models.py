@@ -13,10 +13,11 @@ from typing import Any, Final
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-GROUP: Final = "tasklease.dev"
-VERSION: Final = "v1alpha1"
-PLURAL: Final = "tasks"
-KIND: Final = "Task"
+# Re-exported, so that models.GROUP and the like read naturally; their home is `resource`.
+from tasklease.api.resource import GROUP as GROUP
+from tasklease.api.resource import KIND as KIND
+from tasklease.api.resource import PLURAL as PLURAL
+from tasklease.api.resource import VERSION as VERSION
 
 MAX_RESULT_BYTES: Final = 8192
 MAX_ERROR_CHARS: Final = 1024

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import urllib3
 from kubernetes import client, config
 
-from tasklease.api import errors, models
+from tasklease.api import errors, resource
 
 JSON = dict[str, Any]
 # Unknown fields are an error, not silently dropped (outside `payload`, which keeps them).
@@ -48,7 +48,7 @@ class Resource:
         return base
 
 
-TASKS = Resource(models.GROUP, models.VERSION, models.PLURAL)
+TASKS = Resource(resource.GROUP, resource.VERSION, resource.PLURAL)
 LEASES = Resource("coordination.k8s.io", "v1", "leases")
 PODS = Resource("", "v1", "pods")
 EVENTS = Resource("", "v1", "events")
@@ -180,7 +180,7 @@ def _error_for(status: int, message: str, *, path: str) -> errors.TaskleaseError
         # A resource the server does not serve answers with a plain 404, not a Status about an object.
         if path.startswith(TASKS.path(None).rsplit("/", 1)[0]) and (
                 "could not find the requested resource" in message or "page not found" in message):
-            return errors.CRDMissing(f"the Task CRD ({models.PLURAL}.{models.GROUP}) is not installed in this "
+            return errors.CRDMissing(f"the Task CRD ({resource.PLURAL}.{resource.GROUP}) is not installed in this "
                                      "cluster: kubectl apply -f crds/")
         return errors.NotFound(message)
     if status in (401, 403):
