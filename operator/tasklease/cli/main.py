@@ -6,28 +6,35 @@ The exit codes are `tasklease.api.errors.exit_codes()`, printed by `tasklease --
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tasklease.api import errors, models, timestamps
 from tasklease.agent.sdk import Agent, Identity
+from tasklease.api import errors, models
+from tasklease.cli import output
 from tasklease.kube import EVENTS, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 
 EPILOG = "exit codes:\n" + "".join(f"  {code:>3}  {meaning}\n" for code, meaning in errors.exit_codes()) + """
+global flags (--kubeconfig, --context, -n/--namespace, -v) go before or after the command.
+
 examples:
   tasklease submit --queue emails --payload '{"to": "a@example.com"}'
-  tasklease list --queue emails
+  tasklease -n shop list --queue emails -o wide
   tasklease run --queue emails --loop -- ./send-email.sh
   eval "$(tasklease claim --queue emails --format env)" && ... && tasklease complete "$TASKLEASE_TASK"
+  tasklease retry --queue emails --reason DeadLettered
 """
+_SEE_CODES = "exit codes: see `tasklease --help`."
 
 # The model's defaults, quoted in --help (never restated).
 _SPEC = models.TaskSpec(queue="q")
@@ -40,6 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args) or 0)
+    except BrokenPipeError:
+        # `tasklease list | head`: the reader has what it wanted. Quiet, and no second
+        # complaint when Python flushes stdout on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except errors.TaskleaseError as exc:
         print(f"tasklease: {_first_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return exc.exit_code
@@ -50,29 +62,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
-    common.add_argument("--context", help="kubeconfig context to use")
-    common.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+def _add_common(p: argparse.ArgumentParser, *, sub: bool, namespace: bool = True) -> None:
+    """The global flags. On a subcommand they default to SUPPRESS, so `tasklease -n NS list`
+    and `tasklease list -n NS` both work and neither erases the other."""
+    kw: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)", **kw)
+    p.add_argument("--context", help="kubeconfig context to use", **kw)
+    if sub:
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what happens")
+    else:
+        p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    if namespace:
+        p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, or the pod's)", **kw)
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tasklease", description="Give every unit of work exactly one current owner, on Kubernetes.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tasklease {_version()}")
+    _add_common(parser, sub=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, handler: Any) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=help, epilog=EPILOG,
+    def command(name: str, help: str, handler: Any, example: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                           epilog=f"example:\n  {example}\n\n{_SEE_CODES}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(handler=handler)
-        if name != "operator":  # the operator's -n restricts what it watches (kopf's convention)
-            p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, or the pod's)")
+        # The operator's -n restricts what it watches (kopf's convention): its own flag.
+        _add_common(p, sub=True, namespace=name != "operator")
         return p
 
-    p = command("submit", "create a task (from flags, or from YAML files with -f)", cmd_submit)
+    p = command("submit", "create tasks, from flags or from YAML files (-f); existing names are reported, "
+                "not overwritten", cmd_submit,
+                "tasklease submit --queue emails --name mail-42 --payload '{\"to\": 42}'")
     p.add_argument("-f", "--filename", action="append", help="YAML file of Task objects ('-' for stdin)")
     p.add_argument("--queue", help="queue name (a DNS label)")
-    p.add_argument("--name", help="task name (default: generated from the queue)")
+    p.add_argument("--name", help="task name, the idempotency key (default: generated from the queue)")
     p.add_argument("--payload", help="payload as a JSON object")
     p.add_argument("--payload-file", help="file holding the payload as JSON")
     p.add_argument("--priority", type=int, help=f"higher runs first (default {_SPEC.priority})")
@@ -86,29 +112,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backoff-policy", choices=[p.value for p in models.BackoffPolicy],
                    help=f"(default {_SPEC.backoff.policy.value})")
     p.add_argument("--deadline", help="RFC 3339 time after which the task fails (DeadlineExceeded)")
+    p.add_argument("--not-before", help="RFC 3339 time before which no attempt starts (a delayed start)")
+    p.add_argument("--ttl", type=int, dest="ttl", metavar="SECONDS",
+                   help="delete the task this long after it finishes (spec.ttlSecondsAfterFinished)")
 
-    p = command("list", "list tasks", cmd_list)
+    p = command("list", "list tasks, as a table or in another format; --watch follows changes", cmd_list,
+                "tasklease list --queue emails --phase Failed -o wide")
     p.add_argument("--queue", help="only this queue (filtered by the API server)")
-    p.add_argument("-A", "--all-namespaces", action="store_true")
+    p.add_argument("--phase", choices=[ph.value for ph in models.Phase],
+                   help="only this phase (Pending includes tasks the operator has not seen yet)")
+    p.add_argument("-l", "--selector", default="", help="label selector, e.g. team=shop")
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="tasks of every namespace")
+    p.add_argument("-w", "--watch", action="store_true", help="after the list, print each change as it happens")
+    p.add_argument("-o", "--output", type=output.check_format, metavar="FORMAT",
+                   help="wide, json, yaml, name or jsonpath=TEMPLATE (default: a table)")
 
-    p = command("get", "print a task as YAML or JSON", cmd_get)
+    p = command("get", "print one task (default YAML)", cmd_get, "tasklease get mail-42 -o jsonpath='{.status.phase}'")
     p.add_argument("name")
-    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    p.add_argument("-o", "--output", type=output.check_format, default="yaml", metavar="FORMAT",
+                   help="yaml (default), json, wide, name or jsonpath=TEMPLATE")
 
-    p = command("describe", "a task's spec, live lease, history and events", cmd_describe)
+    p = command("describe", "a task's spec, live lease, history and events", cmd_describe,
+                "tasklease describe mail-42")
     p.add_argument("name")
 
-    p = command("claim", "claim one task of a queue; prints it (exit 3 when nothing is claimable)", cmd_claim)
+    p = command("claim", "claim one task of a queue and print it (exit 3 when nothing is claimable)", cmd_claim,
+                'eval "$(tasklease claim --queue emails --format env)"')
     p.add_argument("--queue", required=True)
     p.add_argument("--wait", type=float, default=0, help="seconds to wait for a task (default: do not wait)")
     p.add_argument("--format", choices=["json", "env"], default="json",
                    help="json, or shell `export` lines for eval (TASKLEASE_TASK, _EPOCH, _HOLDER, _PAYLOAD)")
 
-    for name, help, handler in (("renew", "renew a held lease", cmd_renew),
-                                ("complete", "complete a held task with a result", cmd_complete),
-                                ("fail", "fail the current attempt (retried with backoff unless --final)", cmd_fail),
-                                ("release", "give a held task back at once, without backoff", cmd_release)):
-        p = command(name, help, handler)
+    for name, help, handler, example in (
+            ("renew", "renew a held lease", cmd_renew, "tasklease renew  # uses $TASKLEASE_TASK/_HOLDER/_EPOCH"),
+            ("complete", "complete a held task with a result", cmd_complete, "tasklease complete --result done"),
+            ("fail", "fail the current attempt (retried with backoff unless --final)", cmd_fail,
+             "tasklease fail -m 'upstream said 503'"),
+            ("release", "give a held task back at once, without backoff", cmd_release, "tasklease release")):
+        p = command(name, help, handler, example)
         p.add_argument("name", nargs="?", default=os.environ.get("TASKLEASE_TASK"),
                        help="task name (default: $TASKLEASE_TASK)")
         p.add_argument("--holder", default=os.environ.get("TASKLEASE_HOLDER"),
@@ -116,26 +157,38 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--epoch", type=int, default=_env_int("TASKLEASE_EPOCH"),
                        help="attempt epoch printed by claim (default: $TASKLEASE_EPOCH)")
         if name == "complete":
-            p.add_argument("--result", default="", help="result text (limit 8192 characters)")
+            p.add_argument("--result", default="", help=f"result text (limit {models.MAX_RESULT_BYTES} characters; "
+                                                        "store larger results elsewhere and put a reference here)")
             p.add_argument("--result-file", help="read the result from a file ('-' for stdin)")
         if name == "fail":
             p.add_argument("--message", "-m", default="failed", help="what went wrong")
             p.add_argument("--final", action="store_true", help="do not retry: the task ends Failed")
 
-    p = command("cancel", "cancel a task: its holder loses the lease, the task ends Cancelled", cmd_cancel)
+    p = command("cancel", "cancel a task: its holder stops at once, the task ends Cancelled", cmd_cancel,
+                "tasklease cancel mail-42")
     p.add_argument("name")
 
-    p = command("requeue", "end the current attempt now and make the task claimable at once", cmd_requeue)
+    p = command("requeue", "end the current attempt now and make the task claimable at once", cmd_requeue,
+                "tasklease requeue mail-42")
     p.add_argument("name")
 
-    p = command("run", "claim a task, run CMD for it, complete on exit 0, fail otherwise", cmd_run)
+    p = command("retry", "give Failed (dead-lettered) tasks a fresh budget of attempts; history and epoch stay",
+                cmd_retry, "tasklease retry --queue emails --reason DeadLettered")
+    p.add_argument("names", nargs="*", metavar="NAME", help="tasks to retry (or select them with the flags)")
+    p.add_argument("--queue", help="every Failed task of this queue")
+    p.add_argument("-l", "--selector", default="", help="only Failed tasks with these labels")
+    p.add_argument("--reason", help="only Failed tasks with this status.reason, e.g. DeadLettered")
+
+    p = command("run", "claim a task, run CMD for it, complete on exit 0, fail otherwise", cmd_run,
+                "tasklease run --queue emails --loop -- ./send-email.sh")
     p.add_argument("--queue", required=True)
     p.add_argument("--loop", action="store_true", help="keep taking tasks until stopped")
     p.add_argument("--wait", type=float, help="seconds to wait for a task (default: once: none; --loop: forever)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
-    p = command("operator", "run the operator (kopf): status, expiry, requeue, dead letters", cmd_operator)
+    p = command("operator", "run the operator (kopf): status, expiry, requeue, dead letters, cleanup",
+                cmd_operator, "tasklease operator --namespace shop --no-leader-elect")
     from tasklease.operator.options import add_operator_arguments
 
     add_operator_arguments(p)
@@ -146,33 +199,94 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """Each task is reported on its own line and the others go on: a name that exists with the
+    same spec is the same task submitted again (names are idempotency keys), exit 0; one that
+    exists with another spec, or is refused, is named and makes the exit code non-zero."""
     kube = _kube(args)
     bodies = _task_files(args.filename) if args.filename else [_task_from_flags(args)]
+    worst = 0
     for body in bodies:
-        created = kube.create(TASKS, body, namespace=body.get("metadata", {}).get("namespace") or kube.namespace)
-        print(f"task/{created['metadata']['name']} created")
-    return 0
+        namespace = body.get("metadata", {}).get("namespace") or kube.namespace
+        name = body.get("metadata", {}).get("name") or ""
+        try:
+            created = kube.create(TASKS, body, namespace=namespace)
+            print(f"task/{created['metadata']['name']} created")
+        except errors.Conflict:
+            existing = kube.get(TASKS, name, namespace=namespace)
+            if _same_spec(existing.get("spec") or {}, body.get("spec") or {}):
+                print(f"task/{name} unchanged (already submitted)")
+                continue
+            print(f"tasklease: task/{name} already exists with another spec; left as it is", file=sys.stderr)
+            worst = max(worst, errors.Conflict.exit_code)
+        except errors.TaskleaseError as exc:
+            print(f"tasklease: task/{name or '?'}: {_first_line(str(exc))}", file=sys.stderr)
+            worst = max(worst, exc.exit_code)
+    return worst
+
+
+def _same_spec(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """`wanted` as the API server would have stored it (defaults filled in) equals `existing`."""
+    try:
+        a = models.TaskSpec.model_validate(existing).model_dump(mode="json")
+        b = models.TaskSpec.model_validate(wanted).model_dump(mode="json")
+    except ValueError:
+        return False
+    return a == b
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     kube = _kube(args)
-    items = kube.list(TASKS, all_namespaces=args.all_namespaces,
-                      field_selector=f"spec.queue={args.queue}" if args.queue else "")["items"]
-    rows = [["NAMESPACE"] if args.all_namespaces else []]
-    rows[0] += ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE"]
-    for t in sorted(items, key=lambda t: (t["metadata"]["namespace"], t["metadata"]["creationTimestamp"])):
-        status = t.get("status") or {}
-        row = [t["metadata"]["namespace"]] if args.all_namespaces else []
-        row += [t["metadata"]["name"], t["spec"]["queue"], status.get("phase", "Pending"), status.get("holder") or "-",
-                str(status.get("attempt", 0)), _age(t["metadata"]["creationTimestamp"])]
-        rows.append(row)
-    _print_table(rows)
+    field = f"spec.queue={args.queue}" if args.queue else ""
+    listed = kube.list(TASKS, all_namespaces=args.all_namespaces, label_selector=args.selector,
+                       field_selector=field)
+    items = sorted((t for t in listed["items"] if _phase_matches(t, args.phase)),
+                   key=lambda t: (t["metadata"]["namespace"], t["metadata"]["creationTimestamp"]))
+    text = output.render(items, args.output, single=False, all_namespaces=args.all_namespaces)
+    if text or args.output in ("json", "yaml"):
+        print(text, flush=True)
+    elif not args.watch:
+        print("No tasks found." if not args.all_namespaces else "No tasks found in any namespace.", file=sys.stderr)
+    if args.watch:
+        _follow(kube, args, listed["metadata"]["resourceVersion"])
     return 0
+
+
+def _phase_matches(task: dict[str, Any], phase: str | None) -> bool:
+    current = (task.get("status") or {}).get("phase") or ""
+    return phase is None or current == phase or (phase == models.Phase.PENDING.value and not current)
+
+
+def _follow(kube: Kube, args: argparse.Namespace, resource_version: str) -> None:
+    """`list --watch`: one line per change, in the list's format, until interrupted."""
+    field = f"spec.queue={args.queue}" if args.queue else ""
+    namespace = None if args.all_namespaces else kube.namespace
+    while True:
+        try:
+            for event in kube.watch(TASKS, namespace=namespace, resource_version=resource_version,
+                                    label_selector=args.selector, field_selector=field):
+                obj = event["object"]
+                if event["type"] == "ERROR":
+                    raise errors.Gone(obj.get("message", "watch expired"))
+                resource_version = obj["metadata"]["resourceVersion"]
+                if event["type"] == "BOOKMARK" or not _phase_matches(obj, args.phase):
+                    continue
+                if args.output in (None, "wide"):
+                    line = "   ".join(output.row(obj, wide=args.output == "wide", all_namespaces=args.all_namespaces))
+                else:
+                    line = output.render([obj], args.output, single=True)
+                print(line, flush=True)
+        except errors.Gone:
+            resource_version = kube.list(TASKS, namespace=namespace, all_namespaces=args.all_namespaces,
+                                         label_selector=args.selector, field_selector=field)["metadata"][
+                                             "resourceVersion"]
+        except errors.Unreachable as exc:
+            logging.getLogger(__name__).warning("watch interrupted (%s); resuming", exc)
+            time.sleep(1.0)
 
 
 def cmd_get(args: argparse.Namespace) -> int:
     task = _kube(args).get(TASKS, args.name)
-    print(json.dumps(task, indent=2) if args.output == "json" else yaml.safe_dump(task, sort_keys=False), end="\n")
+    print(output.render([task], args.output, single=True))
     return 0
 
 
@@ -270,6 +384,37 @@ def cmd_requeue(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retry(args: argparse.Namespace) -> int:
+    """Redrive: each Failed task gets maxAttempts more claims (one Lease write each); the
+    operator then projects it back to Pending and agents claim it. Reports every task."""
+    kube = _kube(args)
+    protocol = Protocol(kube)
+    if args.names:
+        if args.queue or args.selector or args.reason:
+            raise errors.Invalid("retry takes task names or --queue/-l/--reason, not both")
+        tasks = [kube.get(TASKS, name) for name in args.names]
+    elif args.queue or args.selector or args.reason:
+        field = ",".join([f"status.phase={models.Phase.FAILED.value}", *([f"spec.queue={args.queue}"]
+                                                                      if args.queue else [])])
+        tasks = [t for t in kube.list(TASKS, label_selector=args.selector, field_selector=field)["items"]
+                 if args.reason is None or (t.get("status") or {}).get("reason") == args.reason]
+    else:
+        raise errors.Invalid("retry needs task names, or --queue, -l or --reason to select Failed tasks")
+    worst = 0
+    for task in sorted(tasks, key=lambda t: t["metadata"]["name"]):
+        view = TaskView.of(task)
+        try:
+            rec = protocol.retry(view, protocol.read(view.namespace, view.name))
+        except errors.TaskleaseError as exc:
+            print(f"tasklease: {_first_line(str(exc))}", file=sys.stderr)
+            worst = max(worst, exc.exit_code)
+            continue
+        print(f"task/{view.name} retried: up to {view.spec.max_attempts} more attempts from attempt {rec.epoch + 1}")
+    if not tasks:
+        print("no Failed task matched", file=sys.stderr)
+    return worst
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from tasklease.agent.runner import Runner
 
@@ -282,6 +427,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_operator(args: argparse.Namespace) -> int:
     from tasklease.operator.controller import run_operator
+
+    if getattr(args, "namespace", None) and not args.namespaces:  # `tasklease -n NS operator`
+        args.namespaces = [args.namespace]
 
     return run_operator(args)
 
@@ -315,7 +463,8 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise errors.Invalid(f"payload is not valid JSON: {exc}") from None
     spec: dict[str, Any] = {"queue": args.queue, "payload": payload}
     for flag, field in (("priority", "priority"), ("max_attempts", "maxAttempts"),
-                        ("lease_duration", "leaseDurationSeconds"), ("deadline", "deadline")):
+                        ("lease_duration", "leaseDurationSeconds"), ("deadline", "deadline"),
+                        ("not_before", "notBefore"), ("ttl", "ttlSecondsAfterFinished")):
         if getattr(args, flag) is not None:
             spec[field] = getattr(args, flag)
     backoff = {k: v for k, v in (("initialSeconds", args.backoff_initial), ("maxSeconds", args.backoff_max),
@@ -337,26 +486,19 @@ def _task_files(paths: list[str]) -> list[dict[str, Any]]:
     return docs
 
 
-def _print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("   ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
-
-
-def _age(timestamp: str) -> str:
-    seconds = int((timestamps.now_utc() - (timestamps.parse_time(timestamp) or timestamps.now_utc())).total_seconds())
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{max(seconds, 0)}s"
-
-
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def _shell_quote(value: str) -> str:
     return "'" + value.replace("'", "'\"'\"'") + "'"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tasklease")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _env_int(name: str) -> int | None:

@@ -43,7 +43,8 @@ def run_operator(args: argparse.Namespace) -> int:
         raise errors.Invalid("--all-namespaces and --namespace exclude each other")
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
-    reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers)
+    reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
+                            default_ttl_s=args.ttl_seconds_after_finished)
     stop = threading.Event()
     ready = threading.Event()
     elector = None

@@ -25,3 +25,5 @@ STATUS_WRITES = Counter("tasklease_status_writes_total", "Task status writes, by
                         registry=REGISTRY)
 LEADER = Gauge("tasklease_operator_leader", "1 while this replica is the active one.", registry=REGISTRY)
 PENDING_WORK = Gauge("tasklease_operator_queue_depth", "Tasks waiting to be reconciled.", registry=REGISTRY)
+CLEANUPS = Counter("tasklease_cleanups_total", "Finished tasks deleted after their ttlSecondsAfterFinished.",
+                   ["namespace", "queue"], registry=REGISTRY)

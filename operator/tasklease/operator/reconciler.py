@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
-from tasklease.operator import metrics, projection
+from tasklease.operator import cleanup, metrics, projection
 from tasklease.protocol import record
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
@@ -47,13 +47,14 @@ _SEED_TIMEOUT_S = 3.0
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
-                 component: str = "tasklease-operator") -> None:
+                 component: str = "tasklease-operator", default_ttl_s: int | None = None) -> None:
         self.kube = kube
         self.namespaces = namespaces  # None: all
         self.protocol = Protocol(kube, clock=clock)
         self.clock = clock
         self.monotonic = monotonic
         self.component = component
+        self.default_ttl_s = default_ttl_s  # for Tasks without spec.ttlSecondsAfterFinished
         self.workers = workers
         self.active = threading.Event()
         self._tasks: dict[Key, JSON] = {}
@@ -221,6 +222,8 @@ class Reconciler:
         view = TaskView.of(task)
         rec = self._act(view, rec)
         self._project(key, task, rec)
+        if self._clean_up(key, view, rec):
+            return
         self._schedule(key, view, rec)
 
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
@@ -312,9 +315,41 @@ class Reconciler:
         except errors.TaskleaseError as exc:
             log.warning("could not post event %s on %s/%s: %s", t.reason, meta["namespace"], meta["name"], exc)
 
+    def _clean_up(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> bool:
+        """Delete a finished Task whose TTL ran out (its Lease follows: the garbage collector,
+        or our orphan removal when the deletion comes back through the watch). True when
+        deleted. Conditional on the Task as we know it: a Task changed meanwhile is kept."""
+        with self._cond:
+            task = self._tasks.get(key)
+        if task is None:
+            return False
+        status = models.TaskStatus.model_validate(task.get("status") or {})
+        at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
+        if at is None or at > self.clock():
+            return False
+        meta = task["metadata"]
+        try:
+            self.kube.delete(TASKS, view.name, namespace=view.namespace,
+                             preconditions={"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]})
+        except errors.NotFound:
+            return True
+        metrics.CLEANUPS.labels(view.namespace, view.spec.queue).inc()
+        log.info("task %s/%s: deleted %s after it finished (ttlSecondsAfterFinished)", view.namespace, view.name,
+                 status.phase.value)
+        return True
+
     def _schedule(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> None:
         """Step 4: when this key needs a look without any event."""
-        wakes = []
+        wakes: list[float] = []
+        now, mono = self.clock(), self.monotonic()
+        with self._cond:
+            task = self._tasks.get(key)
+        status = models.TaskStatus.model_validate((task or {}).get("status") or {})
+        # A delayed start ends: project it (the Task event wakes waiting agents); a TTL runs out.
+        for when in (view.spec.not_before if rec is None or rec.state != record.CLOSED else None,
+                     cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)):
+            if when is not None and when > now:
+                wakes.append(mono + (when - now).total_seconds())
         with self._cond:
             if rec is not None and rec.state == record.HELD:
                 at = self._lease_clock.expires_at(key)
