@@ -52,9 +52,11 @@ def render(objects: list[JSON], fmt: str | None, *, single: bool, all_namespaces
 
 def table(tasks: Iterable[JSON], *, wide: bool = False, all_namespaces: bool = False, header: bool = True,
           now: datetime | None = None) -> str:
-    rows = [header_row(wide=wide, all_namespaces=all_namespaces)] if header else []
-    rows += [row(t, wide=wide, all_namespaces=all_namespaces, now=now) for t in tasks]
-    return format_rows(rows) if rows else ""
+    """The table of `tasks`; empty (no header either) when there are none, as kubectl does."""
+    body = [row(t, wide=wide, all_namespaces=all_namespaces, now=now) for t in tasks]
+    if not body:
+        return ""
+    return format_rows(([header_row(wide=wide, all_namespaces=all_namespaces)] if header else []) + body)
 
 
 def header_row(*, wide: bool, all_namespaces: bool) -> list[str]:
