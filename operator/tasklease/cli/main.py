@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from tasklease.agent.producer import same_spec
 from tasklease.agent.sdk import Agent, Identity
 from tasklease.api import errors, models
 from tasklease.cli import output
@@ -213,7 +214,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"task/{created['metadata']['name']} created")
         except errors.Conflict:
             existing = kube.get(TASKS, name, namespace=namespace)
-            if _same_spec(existing.get("spec") or {}, body.get("spec") or {}):
+            if same_spec(existing.get("spec") or {}, body.get("spec") or {}):
                 print(f"task/{name} unchanged (already submitted)")
                 continue
             print(f"tasklease: task/{name} already exists with another spec; left as it is", file=sys.stderr)
@@ -222,16 +223,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"tasklease: task/{name or '?'}: {_first_line(str(exc))}", file=sys.stderr)
             worst = max(worst, exc.exit_code)
     return worst
-
-
-def _same_spec(existing: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """`wanted` as the API server would have stored it (defaults filled in) equals `existing`."""
-    try:
-        a = models.TaskSpec.model_validate(existing).model_dump(mode="json")
-        b = models.TaskSpec.model_validate(wanted).model_dump(mode="json")
-    except ValueError:
-        return False
-    return a == b
 
 
 def cmd_list(args: argparse.Namespace) -> int:
