@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from tasklease.agent.producer import same_spec
 from tasklease.agent.sdk import Agent, Identity
 from tasklease.api import errors, models
 from tasklease.cli import output
+from tasklease.cli.follow import follow
 from tasklease.kube import EVENTS, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 
@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-l", "--selector", default="", help="only Failed tasks with these labels")
     p.add_argument("--reason", help="only Failed tasks with this status.reason, e.g. DeadLettered")
 
+    p = command("top", "a live view of the queues: counts, rates, oldest pending, slowest running, holders",
+                cmd_top, "tasklease top -A")
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit (for scripts)")
+
     p = command("run", "claim a task, run CMD for it, complete on exit 0, fail otherwise", cmd_run,
                 "tasklease run --queue emails --loop -- ./send-email.sh")
     p.add_argument("--queue", required=True)
@@ -249,30 +254,17 @@ def _phase_matches(task: dict[str, Any], phase: str | None) -> bool:
 
 def _follow(kube: Kube, args: argparse.Namespace, resource_version: str) -> None:
     """`list --watch`: one line per change, in the list's format, until interrupted."""
-    field = f"spec.queue={args.queue}" if args.queue else ""
-    namespace = None if args.all_namespaces else kube.namespace
-    while True:
-        try:
-            for event in kube.watch(TASKS, namespace=namespace, resource_version=resource_version,
-                                    label_selector=args.selector, field_selector=field):
-                obj = event["object"]
-                if event["type"] == "ERROR":
-                    raise errors.Gone(obj.get("message", "watch expired"))
-                resource_version = obj["metadata"]["resourceVersion"]
-                if event["type"] == "BOOKMARK" or not _phase_matches(obj, args.phase):
-                    continue
-                if args.output in (None, "wide"):
-                    line = "   ".join(output.row(obj, wide=args.output == "wide", all_namespaces=args.all_namespaces))
-                else:
-                    line = output.render([obj], args.output, single=True)
-                print(line, flush=True)
-        except errors.Gone:
-            resource_version = kube.list(TASKS, namespace=namespace, all_namespaces=args.all_namespaces,
-                                         label_selector=args.selector, field_selector=field)["metadata"][
-                                             "resourceVersion"]
-        except errors.Unreachable as exc:
-            logging.getLogger(__name__).warning("watch interrupted (%s); resuming", exc)
-            time.sleep(1.0)
+    def show(kind: str, obj: dict[str, Any]) -> None:
+        if not _phase_matches(obj, args.phase):
+            return
+        if args.output in (None, "wide"):
+            line = "   ".join(output.row(obj, wide=args.output == "wide", all_namespaces=args.all_namespaces))
+        else:
+            line = output.render([obj], args.output, single=True)
+        print(line, flush=True)
+    follow(kube, TASKS, namespace=None if args.all_namespaces else kube.namespace, on_event=show,
+           label_selector=args.selector, field_selector=f"spec.queue={args.queue}" if args.queue else "",
+           skip_list=resource_version)
 
 
 def cmd_get(args: argparse.Namespace) -> int:
@@ -404,6 +396,13 @@ def cmd_retry(args: argparse.Namespace) -> int:
     if not tasks:
         print("no Failed task matched", file=sys.stderr)
     return worst
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from tasklease.cli import top
+
+    kube = _kube(args)
+    return top.run(kube, namespace=None if args.all_namespaces else kube.namespace, once=args.once)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
