@@ -64,8 +64,10 @@ class Reconciler:
         self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
         self._pending: OrderedDict[Key, None] = OrderedDict()
         self._inflight: set[Key] = set()
-        self._phases: dict[Key, tuple[str, str]] = {}
+        self._phases: dict[Key, tuple[str, str]] = {}  # (queue, phase) as last projected
+        self._queues: set[tuple[str, str]] = set()  # (namespace, queue) seen: their series exist
         self._cond = threading.Condition()
+        metrics.OLDEST_PENDING.source = self.oldest_pending
 
     # -- intake: called from watch handlers; quick, no I/O --------------------------------
 
@@ -77,7 +79,25 @@ class Reconciler:
                 self._set_phase(key, None)
             else:
                 self._tasks[key] = obj
+                where = (key[0], str((obj.get("spec") or {}).get("queue", "")))
+                if where not in self._queues:
+                    self._queues.add(where)
+                    metrics.known_queue(*where)
             self._enqueue(key)
+
+    def oldest_pending(self) -> list[tuple[str, str, float]]:
+        """(namespace, queue, age in seconds of its oldest Pending task) for every known queue."""
+        now = self.clock()
+        with self._cond:
+            oldest = dict.fromkeys(self._queues, 0.0)
+            for key, (queue, phase) in self._phases.items():
+                task = self._tasks.get(key)
+                if phase != Phase.PENDING.value or task is None:
+                    continue
+                created = timestamps.parse_time(task["metadata"].get("creationTimestamp")) or now
+                where = (key[0], queue)
+                oldest[where] = max(oldest.get(where, 0.0), (now - created).total_seconds())
+        return [(ns, queue, age) for (ns, queue), age in sorted(oldest.items())]
 
     def on_lease(self, kind: str, obj: JSON) -> None:
         key = _key(obj)
@@ -254,7 +274,7 @@ class Reconciler:
             return rec
         cause = "pod-gone" if pod_gone else "timeout"
         written = self.protocol.expire(view, rec)
-        metrics.EXPIRATIONS.labels(view.spec.queue, cause).inc()
+        metrics.EXPIRATIONS.labels(view.namespace, view.spec.queue, cause).inc()
         metrics.TIME_TO_REQUEUE.labels(cause).observe(silent)
         log.info("task %s/%s: expired attempt %d of %s (%s, silent %.1fs)", view.namespace, view.name, rec.epoch,
                  rec.holder, cause, silent)
@@ -288,17 +308,22 @@ class Reconciler:
             # (a cancel made right after our write must not be hidden by it).
             if self._tasks.get(key) is task:
                 self._tasks[key] = written
+        _observe_attempts(key[0], queue, written, old, new)
         for t in projection.transitions(old, new):
             self._announce(written, t, queue)
 
     def _announce(self, task: JSON, t: projection.Transition, queue: str) -> None:
         meta = task["metadata"]
         log.info("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
-        counter = {"Claimed": metrics.CLAIMS, "Requeued": metrics.REQUEUES, "DeadLettered": metrics.DEAD_LETTERS}
+        namespace = meta["namespace"]
+        counter = {"Claimed": metrics.CLAIMS, "Requeued": metrics.REQUEUES, "DeadLettered": metrics.DEAD_LETTERS,
+                   "Retried": metrics.RETRIES}
         if t.reason in counter:
-            counter[t.reason].labels(queue).inc()
+            counter[t.reason].labels(namespace, queue).inc()
         if t.reason in ("Succeeded", "Failed", "DeadLettered", "Cancelled") and t.message.startswith("task "):
-            metrics.COMPLETIONS.labels(queue, t.reason).inc()
+            # The phase label holds a phase: a dead letter is a Failed completion (and a dead letter).
+            phase = Phase.FAILED.value if t.reason == "DeadLettered" else t.reason
+            metrics.COMPLETIONS.labels(namespace, queue, phase).inc()
         now = self.clock().strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1", "kind": "Event",
@@ -374,10 +399,27 @@ class Reconciler:
         """Caller holds the lock. Keeps the tasks-by-queue-and-phase gauge exact."""
         before = self._phases.pop(key, None)
         if before is not None:
-            metrics.TASKS.labels(*before).dec()
+            metrics.TASKS.labels(key[0], *before).dec()
         if value is not None:
             self._phases[key] = value
-            metrics.TASKS.labels(*value).inc()
+            metrics.TASKS.labels(key[0], *value).inc()
+
+
+def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskStatus,
+                      new: models.TaskStatus) -> None:
+    """Queue wait (created, or the previous attempt's end, to the claim) and run time (claim
+    to end) of the attempts that `new` shows first. The times come from the Lease's writers."""
+    seen = {a.attempt: a for a in old.history}
+    previous_end = timestamps.parse_time(task["metadata"].get("creationTimestamp"))
+    for a in new.history:
+        before = seen.get(a.attempt)
+        if before is None and a.claimed_at is not None and previous_end is not None:
+            metrics.QUEUE_WAIT.labels(namespace, queue).observe(max((a.claimed_at - previous_end).total_seconds(), 0))
+        if a.outcome and not (before and before.outcome) and a.claimed_at and a.ended_at:
+            if a.outcome in metrics.ATTEMPT_OUTCOMES:
+                metrics.RUN_TIME.labels(namespace, queue, a.outcome).observe(
+                    max((a.ended_at - a.claimed_at).total_seconds(), 0))
+        previous_end = a.ended_at or previous_end
 
 
 def _key(obj: JSON) -> Key:
