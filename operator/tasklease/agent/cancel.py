@@ -3,78 +3,37 @@
 Without this the holder learns it at its next renewal (a third of the lease duration).
 One watch per (API client, namespace, queue) serves every task an agent process holds in
 that queue: a claim registers its task, the end of the attempt unregisters it, and the
-watch ends with the last registration. No polling: the API server pushes the change.
+watch stops with the last registration. No polling: the API server pushes the change.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from tasklease.api import errors, models
+from tasklease.api import models
 from tasklease.kube import JSON, TASKS, Kube
-
-log = logging.getLogger(__name__)
+from tasklease.kube.watching import Reflector
 
 OnCancel = Callable[[str], None]
-_RETRY_S = 1.0
-_WATCH_TIMEOUT_S = 60  # a watch with nothing left to follow ends within this
+Key = tuple[int, str, str]  # (id of the API client, namespace, queue)
+_WATCH_TIMEOUT_S = 60  # a stopped watch's stream ends within this
 _REMEMBER = 1024  # cancelled or deleted uids kept for a claim registering just after the news
+
+_lock = threading.Lock()
 
 
 class _QueueFollower:
-    def __init__(self, kube: Kube, namespace: str, queue: str) -> None:
-        self.kube, self.namespace, self.queue = kube, namespace, queue
+    def __init__(self, kube: Kube, key: Key) -> None:
+        self.key = key
         self.watchers: dict[str, tuple[str, OnCancel]] = {}  # name → (uid, callback)
         self.ended: OrderedDict[str, str] = OrderedDict()  # uid → why, newest last
-        self.thread = threading.Thread(target=self._run, name=f"cancel-watch-{queue}", daemon=True)
-
-    @property
-    def key(self) -> tuple[int, str, str]:
-        return (id(self.kube), self.namespace, self.queue)
-
-    def _run(self) -> None:
         # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
-        selector = ",".join([f"spec.queue={self.queue}", *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
-        version = ""
-        while True:
-            try:
-                if not version:
-                    listed = self.kube.list(TASKS, namespace=self.namespace, field_selector=selector)
-                    for obj in listed.get("items", []):
-                        self._seen("ADDED", obj)
-                    version = listed["metadata"]["resourceVersion"]
-                for event in self.kube.watch(TASKS, namespace=self.namespace, resource_version=version,
-                                             field_selector=selector, timeout_s=_WATCH_TIMEOUT_S):
-                    obj = event["object"]
-                    if event["type"] == "ERROR":
-                        raise errors.Gone(str(obj.get("message", "")))
-                    version = obj["metadata"]["resourceVersion"]
-                    if event["type"] != "BOOKMARK":
-                        self._seen(event["type"], obj)
-                    if self._idle():
-                        return
-            except errors.Gone:
-                version = ""
-            except errors.TaskleaseError as exc:
-                log.warning("cancel watch of queue %s interrupted (%s); resuming", self.queue, exc)
-                threading.Event().wait(_RETRY_S)
-            if self._idle():
-                return
-
-
-    def _idle(self) -> bool:
-        """True (and forgotten) when nobody follows a task here any more."""
-        with _lock:
-            if self.watchers:
-                return False
-            if _followers.get(self.key) is self:
-                del _followers[self.key]
-            return True
-
+        selector = ",".join([f"spec.queue={key[2]}", *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
+        self.reflector = Reflector(kube, TASKS, namespace=key[1], field_selector=selector, listener=self._seen,
+                                   watch_timeout_s=_WATCH_TIMEOUT_S)
 
     def _seen(self, kind: str, obj: JSON) -> None:
         meta: dict[str, Any] = obj["metadata"]
@@ -95,21 +54,24 @@ class _QueueFollower:
         callback(why)
 
 
-_followers: dict[tuple[int, str, str], _QueueFollower] = {}
-_lock = threading.Lock()
+_followers: dict[Key, _QueueFollower] = {}
 
 
 class Following:
     """A registration: `close()` when the attempt is over (idempotent)."""
 
-    def __init__(self, key: tuple[int, str, str], name: str, uid: str) -> None:
+    def __init__(self, key: Key, name: str, uid: str) -> None:
         self._key, self._name, self._uid = key, name, uid
 
     def close(self) -> None:
         with _lock:
             follower = _followers.get(self._key)
-            if follower is not None and follower.watchers.get(self._name, ("",))[0] == self._uid:
-                del follower.watchers[self._name]
+            if follower is None or follower.watchers.get(self._name, ("",))[0] != self._uid:
+                return
+            del follower.watchers[self._name]
+            if not follower.watchers:  # the last one: stop watching this queue
+                del _followers[self._key]
+                follower.reflector.stop()
 
 
 def follow(kube: Kube, *, namespace: str, queue: str, name: str, uid: str, on_cancel: OnCancel) -> Following:
@@ -119,12 +81,14 @@ def follow(kube: Kube, *, namespace: str, queue: str, name: str, uid: str, on_ca
         follower = _followers.get(key)
         fresh = follower is None
         if follower is None:
-            follower = _followers[key] = _QueueFollower(kube, namespace, queue)
+            follower = _followers[key] = _QueueFollower(kube, key)
         why = follower.ended.get(uid)
         if why is None:
             follower.watchers[name] = (uid, on_cancel)
-    if fresh:
-        follower.thread.start()
+        elif not follower.watchers:
+            del _followers[key]
+    if fresh and why is None:
+        follower.reflector.start()
     if why is not None:
         on_cancel(why)
     return Following(key, name, uid)
