@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from datetime import UTC, datetime
 
@@ -64,5 +65,5 @@ def test_name_and_jsonpath() -> None:
 def test_unknown_formats_are_refused() -> None:
     assert output.check_format("jsonpath={.a}") == "jsonpath={.a}"
     for bad in ("xml", "jsonpath=", "custom-columns=A:.a"):
-        with pytest.raises(ValueError):
+        with pytest.raises(argparse.ArgumentTypeError, match="unknown output format"):
             output.check_format(bad)

@@ -6,6 +6,7 @@ tested without a cluster. managedFields are dropped: they are the API server's b
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections.abc import Iterable
@@ -25,7 +26,7 @@ def check_format(value: str) -> str:
     """argparse `type=`: one of FORMATS, or `jsonpath=TEMPLATE`."""
     if value in FORMATS or (value.startswith("jsonpath=") and len(value) > len("jsonpath=")):
         return value
-    raise ValueError(f"unknown output format {value!r} (use {', '.join(FORMATS)} or jsonpath=TEMPLATE)")
+    raise argparse.ArgumentTypeError(f"unknown output format {value!r} (use {', '.join(FORMATS)} or jsonpath=TEMPLATE)")
 
 
 def clean(obj: JSON) -> JSON:
