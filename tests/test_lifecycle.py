@@ -12,7 +12,7 @@ from typing import Any
 
 from conftest import Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease.api import timestamps
-from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.kube import EVENTS, LEASES, TASKS, Kube
 from tasklease.protocol import record
 
 NO_BACKOFF = {"initialSeconds": 0, "maxSeconds": 0}
@@ -61,6 +61,9 @@ def test_a_dead_lettered_task_is_retried_with_a_fresh_budget_and_its_stderr_is_k
     assert [(a["attempt"], a["outcome"]) for a in status["history"]] == [(1, "Failed"), (2, "Failed"),
                                                                           (3, "Succeeded")]
     assert status["result"] == "fixed"
+    assert "Retried:    2 more attempts counted from attempt 3" in cli("describe", "flaky").stdout
+    reasons = [e["reason"] for e in kube.list(EVENTS, field_selector="involvedObject.name=flaky")["items"]]
+    assert reasons.count("DeadLettered") == 1 and "Retried" in reasons
     # A second retry of the same (now Succeeded) task is refused; nothing matches the selector any more.
     again = cli("retry", "--queue", "redrive")
     assert again.returncode == 0 and "no Failed task matched" in again.stderr

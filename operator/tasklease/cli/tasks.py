@@ -105,6 +105,12 @@ def cmd_describe(args: argparse.Namespace) -> int:
               f"duration {rec.duration_s}s{f', outcome {rec.outcome}' if rec.outcome else ''}")
         if rec.not_before:
             print(f"Not before: {rec.not_before.isoformat()}")
+        if rec.budget_from:
+            print(f"Retried:    {spec.get('maxAttempts', 3)} more attempts counted from attempt {rec.budget_from + 1}")
+    if spec.get("notBefore"):
+        print(f"Starts:     not before {spec['notBefore']}")
+    if spec.get("ttlSecondsAfterFinished") is not None:
+        print(f"Cleanup:    deleted {spec['ttlSecondsAfterFinished']}s after it finishes")
     if status.result:
         print(f"Result:     {first_line(status.result)}")
     if status.last_error:
