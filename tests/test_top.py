@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Cluster, make_task, wait_for
+from conftest import Cluster, make_task, tasklease_cmd, wait_for
 from tasklease.agent import Agent
 from tasklease.cli import top
 from tasklease.kube import Kube
@@ -97,3 +98,13 @@ def test_top_in_a_terminal_shows_the_queue_live_and_quits_on_q(cluster: Cluster,
     finally:
         agent.close()
         tmux("kill-server", check=False)
+
+
+def test_top_once_across_all_namespaces(cluster: Cluster, kube: Kube, namespace: str) -> None:
+    make_task(kube, "everywhere", queue="span")
+    out = subprocess.run(tasklease_cmd("top", "-A", "--once"), capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)})
+    assert out.returncode == 0, out.stderr
+    assert "tasklease top - all namespaces" in out.stdout
+    assert [namespace, "span", "1", "0"] == next(
+        line.split()[:4] for line in out.stdout.splitlines() if line.startswith(namespace))
