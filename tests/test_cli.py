@@ -257,3 +257,14 @@ def test_help_says_what_each_command_does_with_an_example_and_the_codes_once(cli
         text = cli(command, "--help").stdout
         assert "example:\n  " in text and "tasklease " + command in text.split("example:")[1], command
         assert "exit codes: see `tasklease --help`" in text and "  9  refused" not in text, command
+
+
+def test_a_result_over_the_limit_is_refused_and_the_task_stays_held(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "big", queue="big")
+    claimed = json.loads(cli("claim", "--queue", "big").stdout)
+    who = ["big", "--holder", claimed["holder"], "--epoch", str(claimed["epoch"])]
+    refused = cli("complete", *who, "--result", "x" * 9000)
+    assert refused.returncode == 9
+    assert "the limit is 8192" in _clean_error(refused)
+    assert record.decode(kube.get(LEASES, "big")).state == record.HELD  # nothing lost: complete with a reference
+    assert cli("complete", *who, "--result", '{"url": "s3://results/big.json"}').returncode == 0
