@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import Cluster, Operator, Process, make_task, service_account_kubeconfig, tasklease_cmd, wait_for
 from tasklease.protocol import record
@@ -163,3 +164,107 @@ def test_a_repeated_ending_succeeds_but_another_outcome_is_refused(cli, kube: Ku
     assert refused.returncode == 4
     assert "is over" in _clean_error(refused)
     assert record.decode(kube.get(LEASES, "twice")).result == "r1"
+
+
+def test_global_flags_go_before_or_after_the_command(cli, cluster: Cluster, namespace: str) -> None:  # type: ignore[no-untyped-def]
+    assert cli("-n", namespace, "submit", "--queue", "g", "--name", "before").returncode == 0
+    assert cli("submit", "-n", namespace, "--queue", "g", "--name", "after").returncode == 0
+    other = f"{namespace}-other"
+    cluster.kubectl("create", "namespace", other)
+    try:
+        assert cli("--namespace", other, "submit", "--queue", "g", "--name", "elsewhere").returncode == 0
+        names = cli("-n", namespace, "list", "-o", "name").stdout.split()
+        assert sorted(names) == ["task.tasklease.dev/after", "task.tasklease.dev/before"]
+        everywhere = cli("list", "-A", "--queue", "g").stdout
+        assert "elsewhere" in everywhere and other in everywhere.splitlines()[3]
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false")
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("tasklease ")
+
+
+def test_list_filters_and_formats_and_shows_no_phase_the_operator_did_not_project(  # type: ignore[no-untyped-def]
+        cli, kube: Kube) -> None:
+    make_task(kube, "a1", queue="fa")
+    make_task(kube, "a2", queue="fa")
+    make_task(kube, "b1", queue="fb")
+    kube.merge_patch(TASKS, "a2", {"metadata": {"labels": {"team": "shop"}}})
+    table = cli("list").stdout.splitlines()
+    assert table[0].split() == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE"]
+    # No operator runs: there is no phase, exactly as `kubectl get tasks` shows it.
+    assert all(line.split()[2] == "<none>" for line in table[1:])
+    assert sorted(x.split()[0] for x in cli("list", "--queue", "fa").stdout.splitlines()[1:]) == ["a1", "a2"]
+    assert cli("list", "-l", "team=shop", "-o", "jsonpath={.items[*].metadata.name}").stdout.strip() == "a2"
+    assert sorted(cli("list", "--phase", "Pending", "-o", "name").stdout.split()) == [
+        "task.tasklease.dev/a1", "task.tasklease.dev/a2", "task.tasklease.dev/b1"]
+    assert cli("list", "--phase", "Failed").stdout == ""
+    listed = json.loads(cli("list", "--queue", "fb", "-o", "json").stdout)
+    assert [i["metadata"]["name"] for i in listed["items"]] == ["b1"]
+    assert "managedFields" not in listed["items"][0]["metadata"]
+    got = cli("get", "b1", "-o", "yaml").stdout
+    assert "managedFields" not in got and "queue: fb" in got
+    assert cli("get", "b1", "-o", "jsonpath={.spec.queue}").stdout.strip() == "fb"
+    assert "REASON" in cli("list", "-o", "wide").stdout.splitlines()[0]
+    assert cli("list", "-o", "xml").returncode == 2
+
+
+def test_list_watch_prints_each_change(cli, kube: Kube, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "w1", queue="wq")
+    watcher = Process(tasklease_cmd("list", "--watch", "--queue", "wq", "-o", "name"), log=tmp_path / "watch.log",
+                      env={"KUBECONFIG": str(cli.kubeconfig)})
+    try:
+        wait_for(lambda: "task.tasklease.dev/w1" in watcher.output(), message="the initial list")
+        make_task(kube, "w2", queue="wq")
+        make_task(kube, "other", queue="elsewhere")
+        wait_for(lambda: "task.tasklease.dev/w2" in watcher.output(), message="the new task")
+        assert "other" not in watcher.output()
+    finally:
+        watcher.stop()
+
+
+def test_a_closed_pipe_ends_quietly(cli, kube: Kube, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "p0", queue="pipe")
+    out = tmp_path / "head.out"
+    pipeline = Process(["bash", "-c", f"set -o pipefail; {' '.join(tasklease_cmd())} list --watch | head -n 1 > {out}"],
+                       log=tmp_path / "pipe.log", env={"KUBECONFIG": str(cli.kubeconfig)})
+    wait_for(lambda: out.exists() and out.read_text().startswith("NAME"), message="head's one line")
+    make_task(kube, "p1", queue="pipe")  # the next line meets the closed pipe
+    assert pipeline.wait(60) == 0, pipeline.output()
+    assert pipeline.output() == ""
+
+
+def test_submit_of_a_file_whose_tasks_partly_exist_reports_each_and_goes_on(  # type: ignore[no-untyped-def]
+        cli, kube: Kube, tmp_path: Path) -> None:
+    make_task(kube, "same", queue="f")
+    make_task(kube, "differs", queue="f", priority=5)
+    docs = [{"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": n}, "spec": {"queue": "f"}}
+            for n in ("same", "differs", "new")]
+    path = tmp_path / "tasks.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    result = cli("submit", "-f", str(path))
+    assert result.stdout.splitlines() == ["task/same unchanged (already submitted)", "task/new created"]
+    assert "task/differs already exists with another spec" in _clean_error(result)
+    assert result.returncode == 10
+    assert kube.get(TASKS, "differs")["spec"]["priority"] == 5
+    again = cli("submit", "-f", str(path))
+    assert "task/new unchanged (already submitted)" in again.stdout
+
+
+def test_help_says_what_each_command_does_with_an_example_and_the_codes_once(cli) -> None:  # type: ignore[no-untyped-def]
+    top = cli("--help").stdout
+    assert "exit codes:" in top and "retry" in top and "global flags" in top
+    for command in ("submit", "list", "get", "retry", "run", "claim", "cancel"):
+        text = cli(command, "--help").stdout
+        assert "example:\n  " in text and "tasklease " + command in text.split("example:")[1], command
+        assert "exit codes: see `tasklease --help`" in text and "  9  refused" not in text, command
+
+
+def test_a_result_over_the_limit_is_refused_and_the_task_stays_held(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    make_task(kube, "big", queue="big")
+    claimed = json.loads(cli("claim", "--queue", "big").stdout)
+    who = ["big", "--holder", claimed["holder"], "--epoch", str(claimed["epoch"])]
+    refused = cli("complete", *who, "--result", "x" * 9000)
+    assert refused.returncode == 9
+    assert "the limit is 8192" in _clean_error(refused)
+    assert record.decode(kube.get(LEASES, "big")).state == record.HELD  # nothing lost: complete with a reference
+    assert cli("complete", *who, "--result", '{"url": "s3://results/big.json"}').returncode == 0

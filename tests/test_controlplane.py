@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import Cluster, wait_for
+from conftest import Cluster, make_task, wait_for
 from tasklease.api import errors
 from tasklease.kube import LEASES, PODS, Kube, Resource
 from tasklease.dev import binaries
@@ -138,9 +138,10 @@ def test_kubectl_finds_tasklease_as_a_plugin(cluster: Cluster, namespace: str) -
     import os
     import sys
 
+    make_task(cluster.kube(namespace), "via-kubectl", queue="plugin")
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
            "KUBECONFIG": str(cluster.kubeconfig)}
     out = subprocess.run([str(binaries.ensure_kubectl()), "tasklease", "list", "-n", namespace],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE"]
+    assert out.stdout.split()[:7] == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE", "via-kubectl"]

@@ -34,9 +34,9 @@ def test_kubectl_explain_documents_every_spec_field(cluster: Cluster) -> None:
 def test_kubectl_get_tasks_shows_the_story_columns(cluster: Cluster, kube: Kube, namespace: str) -> None:
     make_task(kube, "shown", queue="mail")
     header = cluster.kubectl("get", "tasks", "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE"]
+    assert header == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE", "NOT-BEFORE"]
     wide = cluster.kubectl("get", "tasks", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
-    assert wide[:6] == header and "PRIORITY" in wide and "REASON" in wide
+    assert wide[:7] == header and "PRIORITY" in wide and "REASON" in wide
 
 
 def test_the_chart_lints_and_applies_to_a_real_api_server(cluster: Cluster, namespace: str) -> None:

@@ -169,7 +169,8 @@ def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
     finally:
         holder.stop()
     assert _lease(kube, "pod-bound").history[0].outcome == "Expired"
-    assert 'tasklease_expirations_total{cause="pod-gone",queue="pods"} 1.0' in operator.get("/metrics")[1]
+    assert (f'tasklease_expirations_total{{cause="pod-gone",namespace="{namespace}",queue="pods"}} 1.0'
+            in operator.get("/metrics")[1])
 
 
 def test_at_idle_the_operator_makes_no_request_but_its_watches(

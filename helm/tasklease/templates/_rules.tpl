@@ -8,6 +8,7 @@
   - get
   - list
   - watch
+  - delete
 - apiGroups:
   - tasklease.dev
   resources:

@@ -1,6 +1,7 @@
 """The agent SDK: claim, renew, finish, and stop the work when ownership is lost.
 
-`tasklease run` (the `runner`) is built on it.
+`tasklease run` (the `runner`) is built on it; `producer` creates and follows tasks; `aio`
+is the asyncio variant of the agent loop.
 
 Rule: talks to Leases only through `tasklease.protocol`; never imports
 `tasklease.operator`, because agents keep claiming and finishing while no operator runs.
@@ -8,6 +9,8 @@ Rule: talks to Leases only through `tasklease.protocol`; never imports
 What users import is listed in `__all__`; every other name here is private by convention.
 """
 
+from tasklease.agent.aio import AsyncAgent, AsyncClaimedTask
+from tasklease.agent.producer import Producer, Task
 from tasklease.agent.sdk import Agent, ClaimedTask, Identity
 from tasklease.api.errors import (
     Conflict,
@@ -24,7 +27,7 @@ from tasklease.api.errors import (
 )
 
 __all__ = [
-    "Agent", "ClaimedTask", "Identity",
+    "Agent", "AsyncAgent", "AsyncClaimedTask", "ClaimedTask", "Identity", "Producer", "Task",
     "CRDMissing", "Conflict", "Forbidden", "Invalid", "LostLease", "NotClaimable", "NotFound", "NothingToClaim",
     "ServerError", "TaskleaseError", "Unreachable",
 ]

@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
+from typing import TextIO
 
 from tasklease.api import errors, models
 from tasklease.agent.sdk import Agent, ClaimedTask
@@ -76,15 +77,19 @@ class Runner:
         log.info("running %s for %s/%s (attempt %d)", self.argv[0], task.namespace, task.name, task.epoch)
         try:
             child = subprocess.Popen(self.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
             task.fail(f"cannot start {self.argv[0]}: {exc}", retryable=False)
             raise errors.Invalid(f"cannot start {self.argv[0]}: {exc.strerror}") from None
         self._child = child
         task.on_lost.append(lambda _t: self._terminate(child))
-        tail = _Tail(models.MAX_RESULT_BYTES)
+        tail = _Tail(models.MAX_RESULT_BYTES, sink=sys.stdout)
         reader = threading.Thread(target=tail.pump, args=(child.stdout,), daemon=True)
         reader.start()
+        # The end of stderr explains a failure: kept for lastError and the attempt's history.
+        err_tail = _Tail(models.MAX_ERROR_CHARS, sink=sys.stderr)
+        err_reader = threading.Thread(target=err_tail.pump, args=(child.stderr,), daemon=True)
+        err_reader.start()
         try:
             assert child.stdin is not None
             child.stdin.write(payload.encode())
@@ -92,11 +97,12 @@ class Runner:
         except BrokenPipeError:
             pass  # the command does not read stdin: fine
         code = child.wait()
-        reader.join(_DRAIN_S)
-        if reader.is_alive():
-            tail.echo = False  # maybe our own stdout is slow: keep reading, stop echoing
-            reader.join(_DRAIN_S)
-        if reader.is_alive():
+        for t, r in ((tail, reader), (err_tail, err_reader)):
+            r.join(_DRAIN_S)
+            if r.is_alive():
+                t.echo = False  # maybe our own stdout is slow: keep reading, stop echoing
+                r.join(_DRAIN_S)
+        if reader.is_alive() or err_reader.is_alive():
             # Something the command started in the background still holds its stdout:
             # the command is over, and so is its process group.
             _signal_group(child, signal.SIGTERM)
@@ -112,7 +118,7 @@ class Runner:
             task.complete(tail.text())
             log.info("completed %s/%s (attempt %d)", task.namespace, task.name, task.epoch)
             return 0
-        task.fail(f"{self.argv[0]} exited with code {code}", retryable=True)
+        task.fail(failure_message(f"{self.argv[0]} exited with code {code}", err_tail.text()), retryable=True)
         log.warning("%s/%s attempt %d failed: exit code %d", task.namespace, task.name, task.epoch, code)
         return errors.RUN_COMMAND_FAILED
 
@@ -138,11 +144,23 @@ class Runner:
         signal.signal(signal.SIGINT, stop)
 
 
-class _Tail:
-    """Echo a stream to our stdout and keep its last `limit` characters."""
+def failure_message(head: str, stderr_tail: str, limit: int = models.MAX_ERROR_CHARS) -> str:
+    """`head`, then as much of the *end* of stderr as fits in `limit` characters."""
+    tail = stderr_tail.strip()
+    if not tail:
+        return head[:limit]
+    room = limit - len(head) - len(": ")
+    if room <= 0:
+        return head[:limit]
+    return f"{head}: {tail[-room:]}"
 
-    def __init__(self, limit: int) -> None:
+
+class _Tail:
+    """Echo a stream to `sink` (our stdout or stderr) and keep its last `limit` characters."""
+
+    def __init__(self, limit: int, *, sink: TextIO) -> None:
         self.limit = limit
+        self.sink = sink
         self.buffer = b""
         self.echo = True
 
@@ -151,8 +169,8 @@ class _Tail:
             self.buffer = (self.buffer + chunk)[-self.limit * 4:]
             if self.echo:
                 try:
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.buffer.flush()
+                    self.sink.buffer.write(chunk)
+                    self.sink.buffer.flush()
                 except OSError:  # our stdout went away (`| head`): keep draining the command's
                     self.echo = False
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from tasklease.api import errors, timestamps
 from tasklease.protocol import record
+from tasklease.agent.cancel import follow as follow_task
 from tasklease.agent.discovery import QueueView, claimable, pick, lease_selector, task_selector
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.protocol import Held, LeaseRecord, Protocol, TaskView
@@ -113,6 +114,9 @@ class ClaimedTask:
         self._owner_thread = threading.current_thread()
         self._stop = threading.Event()
         self._previous_handler: Any = None
+        # Instant cancel: hear of spec.cancel or the Task's deletion now, not at the next renewal.
+        self._following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue,
+                                      name=held.name, uid=held.uid, on_cancel=self._cancelled)
         self._renewer = threading.Thread(target=self._renew_loop, name=f"renew-{held.name}", daemon=True)
         self._renewer.start()
 
@@ -220,7 +224,23 @@ class ClaimedTask:
             self._done = True
         self._stop.set()
 
+    def _cancelled(self, why: str) -> None:
+        """The Task was cancelled or deleted: the attempt is over, stop the work now (the
+        operator closes the Lease; renewing it meanwhile would only be refused)."""
+        with self._lock:
+            if self._done:
+                return
+            self._mark_lost(why)
+        self._stop.set()
+        self._notify_lost()
+
     def _renew_loop(self) -> None:
+        try:
+            self._renew_until_done()
+        finally:
+            self._following.close()
+
+    def _renew_until_done(self) -> None:
         duration = self._held.duration_s
         interval = duration / RENEWS_PER_DURATION
         renew_deadline = duration * RENEW_DEADLINE_FRACTION

@@ -92,6 +92,15 @@ class TaskSpec(_Model):
     cancel: bool = Field(
         default=False,
         description="Set to true to cancel: the current holder loses its lease and the task ends Cancelled.")
+    not_before: datetime | None = Field(
+        default=None,
+        description="RFC 3339 time before which no attempt starts (a delayed start); backoff never ends "
+                    "earlier than this either.")
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0,
+        description="Seconds after the task finished (Succeeded, Failed or Cancelled) when the operator "
+                    "deletes it and its Lease. Dead-lettered tasks are kept until retried or deleted. "
+                    "Default: the operator's --ttl-seconds-after-finished (none: kept).")
 
 
 class Phase(enum.StrEnum):
@@ -158,6 +167,7 @@ PRINTER_COLUMNS: Final = [
     {"name": "Holder", "type": "string", "jsonPath": ".status.holder"},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Not-Before", "type": "string", "jsonPath": ".spec.notBefore"},
     {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority", "priority": 1},
     {"name": "Max", "type": "integer", "jsonPath": ".spec.maxAttempts", "priority": 1},
     {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},

@@ -17,7 +17,8 @@ from tasklease.api import models
 Rule = dict[str, Any]
 
 OPERATOR: Final[list[Rule]] = [
-    {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch"]},
+    # delete: finished Tasks past their ttlSecondsAfterFinished.
+    {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch", "delete"]},
     {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/status"], "verbs": ["get", "update"]},
     # Expire, cancel, dead-letter and clean up leases; leader election on its own Lease.
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],

@@ -9,6 +9,8 @@ Throughput (the same tasks, the same number of workers, no-op work):
 - tasklease: the agent SDK (watch-based discovery, randomized choice, renewal threads).
 Lease workers are separate processes, as agents are separate pods.
 
+Cancel: how long a holder takes to hear that its task was cancelled.
+
 Recovery: agents holding a task are killed with SIGKILL; time until each task is
 claimable again, through lease expiry (the bound is lease duration + grace) beside the
 Pod-deletion fast path.
@@ -81,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         times = _in_namespace(kubeconfig, functools.partial(_bench_recovery, kubeconfig=kubeconfig,
                                                             kills=args.kills, pod_fast_path=pod_fast_path))
         print(f"{name:48} {min(times):5.1f}s {statistics.median(times):6.1f}s {max(times):5.1f}s")
+    times = _in_namespace(kubeconfig, functools.partial(_bench_cancel, rounds=args.kills))
+    print(f"\n{'cancel reaching the holder (lease 300 s)':48} {'min':>6} {'median':>7} {'max':>6}")
+    print(f"{'spec.cancel set -> holder stops':48} {min(times):5.2f}s {statistics.median(times):6.2f}s "
+          f"{max(times):5.2f}s")
     return 0
 
 
@@ -257,6 +263,29 @@ def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: 
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _bench_cancel(kube: Kube, *, rounds: int) -> list[float]:
+    """From the cancel request to the holder's work being stopped (its `lost` event), with a
+    lease of 300 s: without the holder's watch on its task this would wait for the renewal
+    every 100 s. No operator runs: the holder hears it from the API server directly."""
+    agent = Agent(kube)
+    times = []
+    try:
+        for i in range(rounds):
+            kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task",
+                                "metadata": {"name": f"cancel-{i}"},
+                                "spec": {"queue": "cancel", "leaseDurationSeconds": 300}})
+            task = agent.claim("cancel", timeout=60, interrupt=False)
+            time.sleep(0.5)  # the holder's watch is up
+            started = time.monotonic()
+            kube.merge_patch(TASKS, task.name, {"spec": {"cancel": True}})
+            if not task.lost.wait(60):
+                raise RuntimeError(f"the holder of {task.name} never heard of its cancel")
+            times.append(time.monotonic() - started)
+    finally:
+        agent.close()
+    return times
 
 
 def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:

@@ -30,6 +30,7 @@ from tasklease.api import errors, models
 from tasklease.operator import metrics
 from tasklease.protocol import record
 from tasklease.kube import Kube
+from tasklease.operator.health import WatchHealth
 from tasklease.operator.leader import ElectionConfig, LeaderElector
 from tasklease.operator.reconciler import Reconciler
 
@@ -43,7 +44,8 @@ def run_operator(args: argparse.Namespace) -> int:
         raise errors.Invalid("--all-namespaces and --namespace exclude each other")
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
-    reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers)
+    reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
+                            default_ttl_s=args.ttl_seconds_after_finished)
     stop = threading.Event()
     ready = threading.Event()
     elector = None
@@ -54,7 +56,9 @@ def run_operator(args: argparse.Namespace) -> int:
             lease_duration_s=duration, renew_deadline_s=duration * 2 / 3, retry_period_s=max(duration / 7.5, 0.2))
         elector = LeaderElector(kube, config, identity=identity, on_started=reconciler.activate,
                                 on_stopped=reconciler.deactivate)
-    server = _serve_http(args.http_host, args.http_port, reconciler, ready) if args.http_port else None
+    health = WatchHealth()
+    health.attach()
+    server = _serve_http(args.http_host, args.http_port, reconciler, ready, health) if args.http_port else None
     workers = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler", daemon=True)
     workers.start()
     if elector is not None:
@@ -65,7 +69,7 @@ def run_operator(args: argparse.Namespace) -> int:
              "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
-        _run_kopf(reconciler, kube, args, ready, identity)
+        _run_kopf(reconciler, kube, args, ready, identity, health)
     finally:
         stop.set()
         if elector is not None:
@@ -76,8 +80,8 @@ def run_operator(args: argparse.Namespace) -> int:
 
 
 def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event,
-              identity: str) -> None:
-    registry = _registry(reconciler, kube)
+              identity: str, health: WatchHealth) -> None:
+    registry = _registry(reconciler, kube, health)
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -88,7 +92,7 @@ def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, read
              identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
 
 
-def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
+def _registry(reconciler: Reconciler, kube: Kube, health: WatchHealth) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -107,10 +111,12 @@ def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
 
     @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
     async def task_event(event: kopf.RawEvent, **_: Any) -> None:
+        health.event()
         reconciler.on_task(event.get("type") or "ADDED", dict(event["object"]))
 
     @kopf.on.event("coordination.k8s.io", "v1", "leases", registry=registry)
     async def lease_event(event: kopf.RawEvent, **_: Any) -> None:
+        health.event()
         reconciler.on_lease(event.get("type") or "ADDED", dict(event["object"]))
 
     @kopf.on.event("v1", "pods", registry=registry)
@@ -133,7 +139,8 @@ def _connection_info(kube: Kube) -> kopf.ConnectionInfo:
         scheme=scheme or None, token=value or None, default_namespace=kube.namespace)
 
 
-def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.Event) -> ThreadingHTTPServer:
+def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.Event,
+                health: WatchHealth) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path == "/metrics":
@@ -142,8 +149,13 @@ def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.E
                 self._reply(200, b"ok\n")
             elif self.path == "/readyz":
                 role = b"leader" if reconciler.active.is_set() else b"standby"
-                state = b"ready " if ready.is_set() else b"starting "
-                self._reply(200 if ready.is_set() else 503, state + role + b"\n")
+                problem = health.problem()
+                if not ready.is_set():
+                    self._reply(503, b"starting " + role + b"\n")
+                elif problem is not None:
+                    self._reply(503, f"watch failing ({role.decode()}): {problem}\n".encode())
+                else:
+                    self._reply(200, b"ready " + role + b"\n")
             else:
                 self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
 

@@ -1,22 +1,47 @@
-"""The operator's Prometheus metrics, in one registry served on /metrics."""
+"""The operator's Prometheus metrics, in one registry served on /metrics.
+
+Every per-queue series carries `namespace` and `queue`; a `phase` label holds only phase
+values (Pending, Running, Succeeded, Failed, Cancelled), never a reason: dead letters have
+their own counter. No `_created` series. A queue's series exist at zero from the moment
+the operator first sees a task of it (`known_queue`), so rates and alerts work from the start.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tasklease.api.models import Phase
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 REGISTRY = CollectorRegistry()
+QUEUE: Final = ("namespace", "queue")
+_DURATIONS: Final = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 24 * 3600)
 
-TASKS = Gauge("tasklease_tasks", "Tasks by queue and phase, as last projected.", ["queue", "phase"],
-              registry=REGISTRY)
-CLAIMS = Counter("tasklease_claims_total", "Claims (new attempts) observed.", ["queue"], registry=REGISTRY)
-EXPIRATIONS = Counter("tasklease_expirations_total", "Leases expired by the operator.", ["queue", "cause"],
+TASKS = Gauge("tasklease_tasks", "Tasks by phase, as last projected.", [*QUEUE, "phase"], registry=REGISTRY)
+CLAIMS = Counter("tasklease_claims_total", "Claims (new attempts) observed.", QUEUE, registry=REGISTRY)
+COMPLETIONS = Counter("tasklease_completions_total", "Tasks that reached a terminal phase.", [*QUEUE, "phase"],
                       registry=REGISTRY)
-REQUEUES = Counter("tasklease_requeues_total", "Attempts that ended with the task back in its queue.", ["queue"],
+EXPIRATIONS = Counter("tasklease_expirations_total", "Leases expired by the operator, by cause (timeout, pod-gone).",
+                      [*QUEUE, "cause"], registry=REGISTRY)
+REQUEUES = Counter("tasklease_requeues_total", "Attempts that ended with the task back in its queue.", QUEUE,
                    registry=REGISTRY)
-DEAD_LETTERS = Counter("tasklease_dead_letters_total", "Tasks dead-lettered after maxAttempts.", ["queue"],
+DEAD_LETTERS = Counter("tasklease_dead_letters_total", "Tasks dead-lettered after maxAttempts.", QUEUE,
                        registry=REGISTRY)
-COMPLETIONS = Counter("tasklease_completions_total", "Tasks that reached a terminal phase.", ["queue", "phase"],
-                      registry=REGISTRY)
+RETRIES = Counter("tasklease_retries_total", "Finished tasks given a fresh budget by `tasklease retry`.", QUEUE,
+                  registry=REGISTRY)
+CLEANUPS = Counter("tasklease_cleanups_total", "Finished tasks deleted after their ttlSecondsAfterFinished.", QUEUE,
+                   registry=REGISTRY)
+QUEUE_WAIT = Histogram("tasklease_queue_wait_seconds",
+                       "From creation (or the end of the previous attempt) to the claim.", QUEUE,
+                       buckets=_DURATIONS, registry=REGISTRY)
+RUN_TIME = Histogram("tasklease_run_seconds", "From the claim to the end of the attempt, by outcome.",
+                     [*QUEUE, "outcome"], buckets=_DURATIONS, registry=REGISTRY)
 TIME_TO_REQUEUE = Histogram(
     "tasklease_time_to_requeue_seconds",
     "From the last change of an abandoned lease (as observed) to its expiry write.", ["cause"],
@@ -25,3 +50,42 @@ STATUS_WRITES = Counter("tasklease_status_writes_total", "Task status writes, by
                         registry=REGISTRY)
 LEADER = Gauge("tasklease_operator_leader", "1 while this replica is the active one.", registry=REGISTRY)
 PENDING_WORK = Gauge("tasklease_operator_queue_depth", "Tasks waiting to be reconciled.", registry=REGISTRY)
+
+_PER_QUEUE: Final = (CLAIMS, REQUEUES, DEAD_LETTERS, RETRIES, CLEANUPS, QUEUE_WAIT)
+ATTEMPT_OUTCOMES: Final = ("Succeeded", "Failed", "Expired", "Released", "Requeued", "Cancelled")
+
+
+def known_queue(namespace: str, queue: str) -> None:
+    """Create every series of a queue at zero (idempotent: cheap after the first call)."""
+    for metric in _PER_QUEUE:
+        metric.labels(namespace, queue)
+    for phase in Phase:
+        TASKS.labels(namespace, queue, phase.value)
+        if phase.terminal:
+            COMPLETIONS.labels(namespace, queue, phase.value)
+    for cause in ("timeout", "pod-gone"):
+        EXPIRATIONS.labels(namespace, queue, cause)
+    for outcome in ATTEMPT_OUTCOMES:
+        RUN_TIME.labels(namespace, queue, outcome)
+
+
+OldestPending = Callable[[], Iterable[tuple[str, str, float]]]
+
+
+class _OldestPendingCollector(Collector):
+    """`tasklease_oldest_pending_seconds`, computed at scrape time from the operator's picture."""
+
+    def __init__(self) -> None:
+        self.source: OldestPending = lambda: ()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("tasklease_oldest_pending_seconds",
+                                   "Age of the oldest Pending task per queue (0 when none is pending).",
+                                   labels=list(QUEUE))
+        for namespace, queue, age in self.source():
+            family.add_metric([namespace, queue], age)
+        yield family
+
+
+OLDEST_PENDING = _OldestPendingCollector()
+REGISTRY.register(OLDEST_PENDING)

@@ -25,3 +25,6 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
                    help="namespace of the election Lease (default: $POD_NAMESPACE or the kubeconfig's)")
     p.add_argument("--leader-election-lease-duration", type=float, default=15.0,
                    help="seconds a standby waits for a silent leader before taking over (default 15)")
+    p.add_argument("--ttl-seconds-after-finished", type=int, metavar="SECONDS",
+                   help="delete finished Tasks (and their Leases) this long after they finish, unless their "
+                        "spec.ttlSecondsAfterFinished says otherwise; dead-lettered ones are kept (default: keep all)")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from tasklease.protocol import record
-from tasklease.protocol import LeaseRecord
+from tasklease.api.timestamps import parse_time
+from tasklease.protocol import LeaseRecord, record
 from tasklease.api.models import Condition, Phase, TaskStatus
 
 
@@ -28,17 +28,28 @@ class Transition:
 def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, now: datetime) -> TaskStatus:
     """The status `task` should have, given its Lease `rec` and its current status `old`."""
     generation = int(task["metadata"].get("generation") or 0)
-    if old.phase.terminal and not (rec is not None and rec.state == record.CLOSED
-                                   and rec.owner_uid == task["metadata"]["uid"] and rec.outcome == old.phase.value):
-        # I4: a terminal phase is final, even if its Lease was deleted or recreated by hand.
+    own = rec is not None and rec.owner_uid == task["metadata"]["uid"]
+    if old.phase.terminal and not (own and rec is not None and (
+            (rec.state == record.CLOSED and rec.outcome == old.phase.value) or _retried_after(rec, old))):
+        # I4: a terminal phase is final, even if its Lease was deleted or recreated by hand;
+        # only `tasklease retry` (a Failed Lease reopened with a fresh budget) leads out of it.
         return old
-    if rec is None or rec.owner_uid != task["metadata"]["uid"]:
+    if rec is None or not own:
         status = TaskStatus(phase=Phase.PENDING, reason="Waiting", attempt=old.attempt, history=old.history)
     else:
         status = _from_lease(rec)
+    scheduled = parse_time((task.get("spec") or {}).get("notBefore"))
+    if status.phase is Phase.PENDING and scheduled is not None and scheduled > now:
+        status.reason = "Scheduled"
+        status.not_before = max(status.not_before or scheduled, scheduled)
     status.observed_generation = generation
     status.conditions = _conditions(status, old.conditions, generation=generation, now=now)
     return status
+
+
+def _retried_after(rec: LeaseRecord, old: TaskStatus) -> bool:
+    """The Lease was reopened by `tasklease retry` after the attempt `old` ended with."""
+    return rec.state != record.CLOSED and rec.budget_from > 0 and rec.budget_from >= old.attempt
 
 
 def _from_lease(rec: LeaseRecord) -> TaskStatus:
@@ -99,6 +110,8 @@ def transitions(old: TaskStatus, new: TaskStatus) -> list[Transition]:
         if a.outcome in _ATTEMPT_EVENTS and not (seen and seen.outcome):
             out.append(Transition("Warning" if a.outcome != "Released" else "Normal", a.outcome,
                                   f"attempt {a.attempt} of {a.holder}: {a.message or a.outcome.lower()}"))
+    if old.phase.terminal and not new.phase.terminal:
+        out.append(Transition("Normal", "Retried", f"retried after attempt {new.attempt}: a fresh budget of attempts"))
     moved = new.phase is not old.phase or new.attempt != old.attempt
     if new.phase is Phase.PENDING and new.attempt and moved:
         when = f"at {new.not_before.strftime('%H:%M:%SZ')} (backoff)" if new.not_before else "now"

@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
-from tasklease.operator import metrics, projection
+from tasklease.operator import cleanup, metrics, projection
 from tasklease.protocol import record
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
@@ -47,13 +47,14 @@ _SEED_TIMEOUT_S = 3.0
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
-                 component: str = "tasklease-operator") -> None:
+                 component: str = "tasklease-operator", default_ttl_s: int | None = None) -> None:
         self.kube = kube
         self.namespaces = namespaces  # None: all
         self.protocol = Protocol(kube, clock=clock)
         self.clock = clock
         self.monotonic = monotonic
         self.component = component
+        self.default_ttl_s = default_ttl_s  # for Tasks without spec.ttlSecondsAfterFinished
         self.workers = workers
         self.active = threading.Event()
         self._tasks: dict[Key, JSON] = {}
@@ -63,8 +64,10 @@ class Reconciler:
         self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
         self._pending: OrderedDict[Key, None] = OrderedDict()
         self._inflight: set[Key] = set()
-        self._phases: dict[Key, tuple[str, str]] = {}
+        self._phases: dict[Key, tuple[str, str]] = {}  # (queue, phase) as last projected
+        self._queues: set[tuple[str, str]] = set()  # (namespace, queue) seen: their series exist
         self._cond = threading.Condition()
+        metrics.OLDEST_PENDING.source = self.oldest_pending
 
     # -- intake: called from watch handlers; quick, no I/O --------------------------------
 
@@ -76,7 +79,25 @@ class Reconciler:
                 self._set_phase(key, None)
             else:
                 self._tasks[key] = obj
+                where = (key[0], str((obj.get("spec") or {}).get("queue", "")))
+                if where not in self._queues:
+                    self._queues.add(where)
+                    metrics.known_queue(*where)
             self._enqueue(key)
+
+    def oldest_pending(self) -> list[tuple[str, str, float]]:
+        """(namespace, queue, age in seconds of its oldest Pending task) for every known queue."""
+        now = self.clock()
+        with self._cond:
+            oldest = dict.fromkeys(self._queues, 0.0)
+            for key, (queue, phase) in self._phases.items():
+                task = self._tasks.get(key)
+                if phase != Phase.PENDING.value or task is None:
+                    continue
+                created = timestamps.parse_time(task["metadata"].get("creationTimestamp")) or now
+                where = (key[0], queue)
+                oldest[where] = max(oldest.get(where, 0.0), (now - created).total_seconds())
+        return [(ns, queue, age) for (ns, queue), age in sorted(oldest.items())]
 
     def on_lease(self, kind: str, obj: JSON) -> None:
         key = _key(obj)
@@ -221,6 +242,8 @@ class Reconciler:
         view = TaskView.of(task)
         rec = self._act(view, rec)
         self._project(key, task, rec)
+        if self._clean_up(key, view, rec):
+            return
         self._schedule(key, view, rec)
 
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
@@ -251,7 +274,7 @@ class Reconciler:
             return rec
         cause = "pod-gone" if pod_gone else "timeout"
         written = self.protocol.expire(view, rec)
-        metrics.EXPIRATIONS.labels(view.spec.queue, cause).inc()
+        metrics.EXPIRATIONS.labels(view.namespace, view.spec.queue, cause).inc()
         metrics.TIME_TO_REQUEUE.labels(cause).observe(silent)
         log.info("task %s/%s: expired attempt %d of %s (%s, silent %.1fs)", view.namespace, view.name, rec.epoch,
                  rec.holder, cause, silent)
@@ -285,17 +308,22 @@ class Reconciler:
             # (a cancel made right after our write must not be hidden by it).
             if self._tasks.get(key) is task:
                 self._tasks[key] = written
+        _observe_attempts(key[0], queue, written, old, new)
         for t in projection.transitions(old, new):
             self._announce(written, t, queue)
 
     def _announce(self, task: JSON, t: projection.Transition, queue: str) -> None:
         meta = task["metadata"]
         log.info("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
-        counter = {"Claimed": metrics.CLAIMS, "Requeued": metrics.REQUEUES, "DeadLettered": metrics.DEAD_LETTERS}
+        namespace = meta["namespace"]
+        counter = {"Claimed": metrics.CLAIMS, "Requeued": metrics.REQUEUES, "DeadLettered": metrics.DEAD_LETTERS,
+                   "Retried": metrics.RETRIES}
         if t.reason in counter:
-            counter[t.reason].labels(queue).inc()
+            counter[t.reason].labels(namespace, queue).inc()
         if t.reason in ("Succeeded", "Failed", "DeadLettered", "Cancelled") and t.message.startswith("task "):
-            metrics.COMPLETIONS.labels(queue, t.reason).inc()
+            # The phase label holds a phase: a dead letter is a Failed completion (and a dead letter).
+            phase = Phase.FAILED.value if t.reason == "DeadLettered" else t.reason
+            metrics.COMPLETIONS.labels(namespace, queue, phase).inc()
         now = self.clock().strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1", "kind": "Event",
@@ -312,9 +340,41 @@ class Reconciler:
         except errors.TaskleaseError as exc:
             log.warning("could not post event %s on %s/%s: %s", t.reason, meta["namespace"], meta["name"], exc)
 
+    def _clean_up(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> bool:
+        """Delete a finished Task whose TTL ran out (its Lease follows: the garbage collector,
+        or our orphan removal when the deletion comes back through the watch). True when
+        deleted. Conditional on the Task as we know it: a Task changed meanwhile is kept."""
+        with self._cond:
+            task = self._tasks.get(key)
+        if task is None:
+            return False
+        status = models.TaskStatus.model_validate(task.get("status") or {})
+        at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
+        if at is None or at > self.clock():
+            return False
+        meta = task["metadata"]
+        try:
+            self.kube.delete(TASKS, view.name, namespace=view.namespace,
+                             preconditions={"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]})
+        except errors.NotFound:
+            return True
+        metrics.CLEANUPS.labels(view.namespace, view.spec.queue).inc()
+        log.info("task %s/%s: deleted %s after it finished (ttlSecondsAfterFinished)", view.namespace, view.name,
+                 status.phase.value)
+        return True
+
     def _schedule(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> None:
         """Step 4: when this key needs a look without any event."""
-        wakes = []
+        wakes: list[float] = []
+        now, mono = self.clock(), self.monotonic()
+        with self._cond:
+            task = self._tasks.get(key)
+        status = models.TaskStatus.model_validate((task or {}).get("status") or {})
+        # A delayed start ends: project it (the Task event wakes waiting agents); a TTL runs out.
+        for when in (view.spec.not_before if rec is None or rec.state != record.CLOSED else None,
+                     cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)):
+            if when is not None and when > now:
+                wakes.append(mono + (when - now).total_seconds())
         with self._cond:
             if rec is not None and rec.state == record.HELD:
                 at = self._lease_clock.expires_at(key)
@@ -339,10 +399,27 @@ class Reconciler:
         """Caller holds the lock. Keeps the tasks-by-queue-and-phase gauge exact."""
         before = self._phases.pop(key, None)
         if before is not None:
-            metrics.TASKS.labels(*before).dec()
+            metrics.TASKS.labels(key[0], *before).dec()
         if value is not None:
             self._phases[key] = value
-            metrics.TASKS.labels(*value).inc()
+            metrics.TASKS.labels(key[0], *value).inc()
+
+
+def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskStatus,
+                      new: models.TaskStatus) -> None:
+    """Queue wait (created, or the previous attempt's end, to the claim) and run time (claim
+    to end) of the attempts that `new` shows first. The times come from the Lease's writers."""
+    seen = {a.attempt: a for a in old.history}
+    previous_end = timestamps.parse_time(task["metadata"].get("creationTimestamp"))
+    for a in new.history:
+        before = seen.get(a.attempt)
+        if before is None and a.claimed_at is not None and previous_end is not None:
+            metrics.QUEUE_WAIT.labels(namespace, queue).observe(max((a.claimed_at - previous_end).total_seconds(), 0))
+        if a.outcome and not (before and before.outcome) and a.claimed_at and a.ended_at:
+            if a.outcome in metrics.ATTEMPT_OUTCOMES:
+                metrics.RUN_TIME.labels(namespace, queue, a.outcome).observe(
+                    max((a.ended_at - a.claimed_at).total_seconds(), 0))
+        previous_end = a.ended_at or previous_end
 
 
 def _key(obj: JSON) -> Key:

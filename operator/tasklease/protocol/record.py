@@ -26,6 +26,7 @@ ANN_RESULT: Final = "tasklease.dev/result"
 ANN_ERROR: Final = "tasklease.dev/error"
 ANN_NOT_BEFORE: Final = "tasklease.dev/not-before"
 ANN_HISTORY: Final = "tasklease.dev/history"
+ANN_BUDGET_FROM: Final = "tasklease.dev/budget-from"
 
 MANAGED_SELECTOR: Final = f"{LABEL_MANAGED}=tasklease"
 
@@ -55,6 +56,8 @@ class LeaseRecord:
     error: str = ""
     not_before: datetime | None = None
     history: tuple[models.Attempt, ...] = ()
+    # `tasklease retry` grants maxAttempts more claims from this epoch on; the epoch itself never goes back.
+    budget_from: int = 0
     resource_version: str = ""
     raw: JSON = field(default_factory=dict, compare=False, repr=False)
 
@@ -94,7 +97,8 @@ def decode(lease: JSON) -> LeaseRecord:
         acquired_at=parse_time(spec.get("acquireTime")), renewed_at=parse_time(spec.get("renewTime")),
         outcome=ann.get(ANN_OUTCOME, ""), reason=ann.get(ANN_REASON, ""), result=ann.get(ANN_RESULT, ""),
         error=ann.get(ANN_ERROR, ""), not_before=parse_time(ann.get(ANN_NOT_BEFORE)),
-        history=history, resource_version=meta.get("resourceVersion", ""), raw=lease,
+        history=history, budget_from=int(ann.get(ANN_BUDGET_FROM) or 0),
+        resource_version=meta.get("resourceVersion", ""), raw=lease,
     )
 
 
@@ -113,7 +117,8 @@ def encode(rec: LeaseRecord) -> JSON:
         meta["resourceVersion"] = rec.resource_version
     ann = meta["annotations"]
     for key, value in ((ANN_OUTCOME, rec.outcome), (ANN_REASON, rec.reason), (ANN_RESULT, rec.result),
-                       (ANN_ERROR, rec.error), (ANN_NOT_BEFORE, format_time(rec.not_before))):
+                       (ANN_ERROR, rec.error), (ANN_NOT_BEFORE, format_time(rec.not_before)),
+                       (ANN_BUDGET_FROM, str(rec.budget_from) if rec.budget_from else "")):
         if value:
             ann[key] = value
     if rec.history:

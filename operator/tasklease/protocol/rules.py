@@ -53,6 +53,7 @@ class Blocker(enum.Enum):
     CLOSED = "closed"
     CANCELLED = "cancelled"
     PAST_DEADLINE = "past-deadline"
+    SCHEDULED = "scheduled"  # spec.notBefore is still ahead: a delayed start
     HELD = "held"
     SPENT = "spent"
     BACKING_OFF = "backing-off"
@@ -70,11 +71,13 @@ def blocker(task: TaskView, rec: LeaseRecord | None, now: datetime) -> Blocker |
         return Blocker.CANCELLED
     if task.spec.deadline is not None and now >= task.spec.deadline:
         return Blocker.PAST_DEADLINE
+    if task.spec.not_before is not None and now < task.spec.not_before:
+        return Blocker.SCHEDULED
     if rec is None:
         return None
     if rec.state == HELD:
         return Blocker.HELD
-    if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
+    if attempts_used(task, rec) >= task.spec.max_attempts:
         return Blocker.SPENT
     if rec.not_before is not None and now < rec.not_before:
         return Blocker.BACKING_OFF
@@ -96,6 +99,8 @@ def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) ->
         return f"held by {rec.holder}"
     if rec is not None and found is Blocker.BACKING_OFF:
         return f"backing off until {format_time(rec.not_before)}"
+    if found is Blocker.SCHEDULED:
+        return f"scheduled for {format_time(task.spec.not_before)}"
     return {Blocker.CANCELLED: "cancelled", Blocker.PAST_DEADLINE: "past its deadline"}.get(found, "attempts spent")
     if rec.owner_uid != task.uid:
         return "its Lease belongs to an older task of the same name"
@@ -108,6 +113,11 @@ def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) ->
     if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
         return "attempts spent"
     return None
+
+
+def attempts_used(task: TaskView, rec: LeaseRecord) -> int:
+    """Claims made since the last `tasklease retry` (or ever): what maxAttempts bounds."""
+    return max(rec.epoch, task.status_attempt) - rec.budget_from
 
 
 def claimed(task: TaskView, rec: LeaseRecord | None, holder: str, now: datetime) -> LeaseRecord:
@@ -138,9 +148,36 @@ def ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", c
 def requeued(rec: LeaseRecord, spec: models.TaskSpec, *, outcome: str, message: str, now: datetime,
               backoff: bool) -> LeaseRecord:
     """Free for the next attempt, or dead-lettered when the attempts are spent (I3)."""
-    if rec.epoch >= spec.max_attempts:
+    if rec.epoch - rec.budget_from >= spec.max_attempts:
         return ended(rec, outcome=outcome, now=now, message=message, close=models.Phase.FAILED.value,
                       reason="DeadLettered")
-    not_before = now + timedelta(seconds=spec.backoff.delay_after(rec.epoch)) if backoff else None
+    not_before = now + timedelta(seconds=spec.backoff.delay_after(rec.epoch - rec.budget_from)) if backoff else None
+    if spec.not_before is not None and spec.not_before > now:
+        not_before = max(not_before or spec.not_before, spec.not_before)  # backoff respects a delayed start
     return ended(rec, outcome=outcome, now=now, message=message, not_before=not_before)
+
+
+def why_not_retryable(task: TaskView, rec: LeaseRecord | None, now: datetime) -> str | None:
+    """None when `tasklease retry` may give this finished task a fresh budget of attempts:
+    only a Failed task (dead-lettered or failed for good). A Succeeded task never runs again
+    (a new task is the way), a cancel cannot be undone, a deadline does not move."""
+    if rec is None or rec.owner_uid != task.uid:
+        return "it has no Lease of its own to retry"
+    if rec.state != CLOSED:
+        return f"it is not finished ({rec.state}); `tasklease requeue` gives a running task back"
+    if rec.outcome != models.Phase.FAILED.value:
+        return (f"it ended {rec.outcome}; a Succeeded task is never re-run: submit a new task"
+                if rec.outcome == models.Phase.SUCCEEDED.value else f"it ended {rec.outcome}, for good")
+    if task.spec.cancel:
+        return "it is cancelled (spec.cancel cannot be undone)"
+    if task.spec.deadline is not None and now >= task.spec.deadline:
+        return "it is past its deadline"
+    return None
+
+
+def retried(rec: LeaseRecord, now: datetime) -> LeaseRecord:
+    """closed(Failed) → free, with maxAttempts claims counted from the current epoch. The
+    epoch, the history and the last error stay: the next claim is epoch E+1 (I2)."""
+    return replace(rec, holder="", outcome="", reason="", result="", not_before=None, renewed_at=now,
+                   budget_from=rec.epoch)
 

@@ -27,7 +27,17 @@ from tasklease.api import errors, models
 from tasklease.api.timestamps import Clock, now_utc
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.protocol.record import CLOSED, HELD, LeaseRecord, decode, encode
-from tasklease.protocol.rules import TaskView, claimed, ended, fresh_record, requeued, why_not_claimable
+from tasklease.protocol.rules import (
+    TaskView,
+    attempts_used,
+    claimed,
+    ended,
+    fresh_record,
+    requeued,
+    retried,
+    why_not_claimable,
+    why_not_retryable,
+)
 
 
 @dataclass(frozen=True)
@@ -143,9 +153,17 @@ class Protocol:
         if rec.state == CLOSED:
             raise errors.Invalid(f"task {task.namespace}/{task.name} is finished ({rec.outcome}); "
                                  "a finished task never runs again")
-        if rec.epoch >= task.spec.max_attempts:
+        if attempts_used(task, rec) >= task.spec.max_attempts:
             raise errors.Invalid(f"task {task.namespace}/{task.name} has used all {task.spec.max_attempts} attempts")
         return self._write(ended(rec, outcome="Requeued", now=self.clock(), message=message))
+
+    def retry(self, task: TaskView, rec: LeaseRecord | None) -> LeaseRecord:
+        """closed(Failed) → free with a fresh budget of maxAttempts claims (redrive). The only
+        way out of a closed Lease, and only for a Failed one; the epoch keeps growing."""
+        reason = why_not_retryable(task, rec, self.clock())
+        if reason is not None or rec is None:
+            raise errors.Invalid(f"task {task.namespace}/{task.name} cannot be retried: {reason}")
+        return self._write(retried(rec, self.clock()))
 
     def close(self, task: TaskView, rec: LeaseRecord | None, *, phase: models.Phase, reason: str,
               message: str) -> LeaseRecord:

@@ -1,0 +1,94 @@
+"""Instant cancel: a held task's holder hears of `spec.cancel` or the Task's deletion at once.
+
+Without this the holder learns it at its next renewal (a third of the lease duration).
+One watch per (API client, namespace, queue) serves every task an agent process holds in
+that queue: a claim registers its task, the end of the attempt unregisters it, and the
+watch stops with the last registration. No polling: the API server pushes the change.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from tasklease.api import models
+from tasklease.kube import JSON, TASKS, Kube
+from tasklease.kube.watching import Reflector
+
+OnCancel = Callable[[str], None]
+Key = tuple[int, str, str]  # (id of the API client, namespace, queue)
+_WATCH_TIMEOUT_S = 60  # a stopped watch's stream ends within this
+_REMEMBER = 1024  # cancelled or deleted uids kept for a claim registering just after the news
+
+_lock = threading.Lock()
+
+
+class _QueueFollower:
+    def __init__(self, kube: Kube, key: Key) -> None:
+        self.key = key
+        self.watchers: dict[str, tuple[str, OnCancel]] = {}  # name → (uid, callback)
+        self.ended: OrderedDict[str, str] = OrderedDict()  # uid → why, newest last
+        # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
+        selector = ",".join([f"spec.queue={key[2]}", *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
+        self.reflector = Reflector(kube, TASKS, namespace=key[1], field_selector=selector, listener=self._seen,
+                                   watch_timeout_s=_WATCH_TIMEOUT_S)
+
+    def _seen(self, kind: str, obj: JSON) -> None:
+        meta: dict[str, Any] = obj["metadata"]
+        if kind == "DELETED":
+            why = f"task {meta['namespace']}/{meta['name']} was deleted or has finished"
+        elif (obj.get("spec") or {}).get("cancel"):
+            why = f"task {meta['namespace']}/{meta['name']} was cancelled"
+        else:
+            return
+        with _lock:
+            self.ended[meta["uid"]] = why
+            while len(self.ended) > _REMEMBER:
+                self.ended.popitem(last=False)
+            uid, callback = self.watchers.get(meta["name"], ("", None))
+            if callback is None or uid != meta["uid"]:
+                return
+            del self.watchers[meta["name"]]
+        callback(why)
+
+
+_followers: dict[Key, _QueueFollower] = {}
+
+
+class Following:
+    """A registration: `close()` when the attempt is over (idempotent)."""
+
+    def __init__(self, key: Key, name: str, uid: str) -> None:
+        self._key, self._name, self._uid = key, name, uid
+
+    def close(self) -> None:
+        with _lock:
+            follower = _followers.get(self._key)
+            if follower is None or follower.watchers.get(self._name, ("",))[0] != self._uid:
+                return
+            del follower.watchers[self._name]
+            if not follower.watchers:  # the last one: stop watching this queue
+                del _followers[self._key]
+                follower.reflector.stop()
+
+
+def follow(kube: Kube, *, namespace: str, queue: str, name: str, uid: str, on_cancel: OnCancel) -> Following:
+    """Call `on_cancel(why)` once if Task `namespace/name` (this `uid`) is cancelled or deleted."""
+    key = (id(kube), namespace, queue)
+    with _lock:
+        follower = _followers.get(key)
+        fresh = follower is None
+        if follower is None:
+            follower = _followers[key] = _QueueFollower(kube, key)
+        why = follower.ended.get(uid)
+        if why is None:
+            follower.watchers[name] = (uid, on_cancel)
+        elif not follower.watchers:
+            del _followers[key]
+    if fresh and why is None:
+        follower.reflector.start()
+    if why is not None:
+        on_cancel(why)
+    return Following(key, name, uid)

@@ -1,0 +1,84 @@
+"""`tasklease` commands for agents: claim, renew, complete, fail, release, and run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tasklease.agent.sdk import Agent, Identity
+from tasklease.api import errors
+from tasklease.cli.common import kube_of
+from tasklease.kube import Kube
+from tasklease.protocol import Held, Protocol
+
+
+def cmd_claim(args: argparse.Namespace) -> int:
+    agent = Agent(kube_of(args), identity=Identity.from_environment(handed_over=True))
+    task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
+            else agent.claim_once(args.queue))
+    # The CLI returns at once: the caller renews (tasklease renew) from here on.
+    task.detach()
+    out = {"name": task.name, "namespace": task.namespace, "epoch": task.epoch, "holder": task.holder,
+           "leaseDurationSeconds": task.held.duration_s, "payload": task.payload}
+    if args.format == "env":
+        for key, value in (("TASK", task.name), ("NAMESPACE", task.namespace), ("EPOCH", task.epoch),
+                           ("HOLDER", task.holder), ("PAYLOAD", json.dumps(task.payload))):
+            print(f"export TASKLEASE_{key}={_shell_quote(str(value))}")
+    else:
+        print(json.dumps(out))
+    agent.close()
+    return 0
+
+
+def cmd_renew(args: argparse.Namespace) -> int:
+    kube, protocol = _held_by_args(args)
+    protocol.renew(protocol.adopt(kube.namespace, args.name, holder=args.holder, epoch=args.epoch))
+    return 0
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    result = args.result
+    if args.result_file:
+        result = sys.stdin.read() if args.result_file == "-" else Path(args.result_file).read_text()
+    return _end(args, "Succeeded", lambda p, h: p.complete(h, result), result=result)
+
+
+def cmd_fail(args: argparse.Namespace) -> int:
+    return _end(args, "Failed", lambda p, h: p.fail(h, args.message, retryable=not args.final))
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    return _end(args, "Released", lambda p, h: p.release(h))
+
+
+def _end(args: argparse.Namespace, outcome: str, write: Callable[[Protocol, Held], Held],
+         result: str = "") -> int:
+    kube, protocol = _held_by_args(args)
+    protocol.end(kube.namespace, args.name, holder=args.holder, epoch=args.epoch, outcome=outcome,
+                 write=lambda held: write(protocol, held), result=result)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tasklease.agent.runner import Runner
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
+    agent = Agent(kube_of(args), identity=Identity.from_environment())
+    return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace).run(loop=args.loop, wait_s=args.wait)
+
+
+def _held_by_args(args: argparse.Namespace) -> tuple[Kube, Protocol]:
+    if not args.name or not args.holder or args.epoch is None:
+        raise errors.Invalid("need the task name, --holder and --epoch (or TASKLEASE_TASK, TASKLEASE_HOLDER "
+                             "and TASKLEASE_EPOCH) as printed by `tasklease claim`")
+    kube = kube_of(args)
+    return kube, Protocol(kube)
+
+
+def _shell_quote(value: str) -> str:
+    return "'" + value.replace("'", "'\"'\"'") + "'"
