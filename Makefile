@@ -34,7 +34,7 @@ node-down: venv ## remove the node and everything it changed on this machine (id
 	$(LOCAL) node-down
 
 e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
-	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/e2e $(PYTEST_ARGS)
+	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
 
 generate: venv ## regenerate crds/, the chart's CRD and RBAC rules, and the README's layout, from their sources
 	$(PY) -m tasklease.api.crd
@@ -47,7 +47,7 @@ lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/lint-imports
 
 test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
-	$(PY) -m pytest --ignore=tests/e2e $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/test_node_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane

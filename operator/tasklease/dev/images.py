@@ -101,10 +101,14 @@ def ensure_base() -> str:
     return BASE_IMAGE
 
 
+def project_archive(source: Path) -> Path:
+    """Where the project image built from ``source`` as it is now is cached."""
+    return images_dir() / f"tasklease-{_source_digest(source)}.tar"
+
+
 def ensure_project_image(source: Path) -> Path:
     """The project's image, built from its own Dockerfile on the Debian base, as a docker-archive."""
-    key = _source_digest(source)
-    archive = images_dir() / f"tasklease-{key}.tar"
+    archive = project_archive(source)
     if archive.exists():
         return archive
     base = ensure_base()

@@ -40,6 +40,9 @@ from tasklease.dev.cluster import (
 SERVICE_RANGE = "10.0.0.0/24"  # the apiserver's --service-cluster-ip-range
 CGROUP_V2 = Path("/sys/fs/cgroup/unified")
 CGROUP_NAME = "tasklease-node"
+# The node's processes (kubelet, containerd, shims) run in CGROUP_NAME; runc puts pods in
+# kubepods, also in the v2 hierarchy. The rules match both (and their descendants).
+NODE_GROUPS = (CGROUP_NAME, "kubepods")
 CHAIN = "TASKLEASE-NODE"
 # The kubelet sets these on start (protectKernelDefaults: false); node-down restores them.
 SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops")
@@ -128,7 +131,8 @@ class LocalNode:
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
             _save_sysctls(self.workdir / _SYSCTL_FILE)
-            _cgroup().mkdir(exist_ok=True)
+            for group in NODE_GROUPS:  # before the rules: they name existing groups
+                (CGROUP_V2 / group).mkdir(exist_ok=True)
             add_iptables_rules()
             state.pids["containerd"] = self._start_containerd()
             self._write_state(state)
@@ -164,12 +168,13 @@ class LocalNode:
         if pids.get("containerd") and process_alive(pids["containerd"]):
             self._remove_containers()
             terminate(pids["containerd"])
-        _kill_cgroup(_cgroup())
+        for group in NODE_GROUPS:
+            _kill_cgroup(CGROUP_V2 / group)
+        remove_iptables_rules()
         _unmount_under([self.workdir, *HOST_LEAKS])
         _remove_cgroups()
         for leak in HOST_LEAKS:
             _remove(leak)
-        remove_iptables_rules()
         _restore_sysctls(self.workdir / _SYSCTL_FILE)
         _remove(self.workdir)
 
@@ -341,13 +346,15 @@ def node_name() -> str:
 
 def iptables_rules() -> list[list[str]]:
     """The chain's rules, in order. Comments name them for the e2e's counters."""
-    own = ["-m", "cgroup", "--path", CGROUP_NAME]
-    return [
-        ["-d", SERVICE_RANGE, "-m", "comment", "--comment", "tasklease-service-range",
-         "-j", "REJECT", "--reject-with", "icmp-net-unreachable"],
-        [*own, "-d", "127.0.0.0/8", "-m", "comment", "--comment", "tasklease-node-loopback", "-j", "RETURN"],
-        [*own, "-m", "comment", "--comment", "tasklease-node-offbox", "-j", "REJECT"],
-    ]
+    rules = [["-d", SERVICE_RANGE, "-m", "comment", "--comment", "tasklease-service-range",
+              "-j", "REJECT", "--reject-with", "icmp-net-unreachable"]]
+    for group in NODE_GROUPS:
+        own = ["-m", "cgroup", "--path", group]
+        rules += [
+            [*own, "-d", "127.0.0.0/8", "-m", "comment", "--comment", "tasklease-node-loopback", "-j", "RETURN"],
+            [*own, "-m", "comment", "--comment", "tasklease-node-offbox", "-j", "REJECT"],
+        ]
+    return rules
 
 
 def add_iptables_rules() -> None:
@@ -366,13 +373,14 @@ def remove_iptables_rules() -> None:
 
 
 def iptables_counters() -> dict[str, int]:
-    """Packets each commented rule of the chain has matched."""
+    """Packets the chain's rules have matched, summed by comment."""
     out = subprocess.run(["iptables", "-w", "-L", CHAIN, "-v", "-n", "-x"],
                          capture_output=True, text=True, check=True).stdout
-    counters = {}
+    counters: dict[str, int] = {}
     for line in out.splitlines():
         if "/* " in line:
-            counters[line.split("/* ", 1)[1].split(" */", 1)[0]] = int(line.split()[0])
+            name = line.split("/* ", 1)[1].split(" */", 1)[0]
+            counters[name] = counters.get(name, 0) + int(line.split()[0])
     return counters
 
 
@@ -390,12 +398,13 @@ def _cgroup() -> Path:
 
 
 def _kill_cgroup(group: Path) -> None:
-    """SIGKILL whatever still runs in the node's group (shims, pods), then remove the group."""
+    """SIGKILL whatever still runs in a node's group or below it (shims, pods)."""
     if not group.exists():
         return
     deadline = time.monotonic() + 15
     while True:
-        pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        pids = [int(p) for g in (group, *group.rglob("*")) if (g / "cgroup.procs").is_file()
+                for p in (g / "cgroup.procs").read_text().split()]
         if not pids:
             break
         for pid in pids:
@@ -406,7 +415,6 @@ def _kill_cgroup(group: Path) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {pids} in {group} survive SIGKILL")
         time.sleep(0.1)
-    group.rmdir()
 
 
 def node_mounts(roots: list[Path]) -> list[str]:
@@ -431,7 +439,7 @@ def _unmount_under(roots: list[Path]) -> None:
 
 
 def node_cgroups() -> list[Path]:
-    """The kubelet's v1 cgroups (kubepods) in every hierarchy, and the node's v2 group."""
+    """The kubelet's cgroups (kubepods) in every hierarchy, and the node's own v2 group."""
     found = [h / "kubepods" for h in Path("/sys/fs/cgroup").iterdir() if (h / "kubepods").is_dir()]
     return found + ([_cgroup()] if _cgroup().exists() else [])
 
