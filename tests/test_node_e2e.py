@@ -260,6 +260,19 @@ def test_tasks_applied_with_kubectl_all_succeed(e2e: E2E) -> None:
         # The holder is <pod>/<instance>: POD_NAME from the downward API, and the claim got past the
         # admission policy, which only lets a token bound to that very pod claim in its name.
         assert status["history"][0]["holder"].split("/")[0] in agents
+    if e2e.local is not None:
+        # The audit log names who wrote the Leases: the chart's agent ServiceAccount, with tokens
+        # bound to the agent pods.
+        writers = set()
+        for line in (e2e.local.workdir / "audit.log").read_text().splitlines():
+            event = json.loads(line)
+            if event.get("objectRef", {}).get("resource") == "leases" and event.get("verb") in ("create", "update") \
+                    and event.get("objectRef", {}).get("namespace") == NS:
+                user = event["user"]
+                writers.add((user["username"], *user.get("extra", {}).get("authentication.kubernetes.io/pod-name",
+                                                                           [""])))
+        agent_writers = {pod for user, pod in writers if user == f"system:serviceaccount:{NS}:tasklease-agent"}
+        assert agent_writers and agent_writers <= agents, writers
 
 
 def _claimed(e2e: E2E, name: str) -> str:
@@ -275,13 +288,17 @@ def _claimed(e2e: E2E, name: str) -> str:
 def test_force_deleting_the_holder_pod_requeues_at_once(e2e: E2E) -> None:
     e2e.apply_tasks("force-deleted")
     holder = _claimed(e2e, "force-deleted")
+    # Freeze the pod first (a hung or cut-off holder): with a live agent, the kubelet's SIGTERM
+    # would have it release the task itself, racing the operator's pod-deletion fast path.
+    e2e.kubectl("exec", "-n", NS, holder, "--", "sh", "-c", "kill -STOP -1")
     deleted_at = time.monotonic()
     e2e.kubectl("delete", "pod", holder, "-n", NS, "--grace-period=0", "--force")
 
-    def expired() -> bool:
+    def ended() -> str:
         history = e2e.task("force-deleted").get("status", {}).get("history", [])
-        return bool(history) and history[0].get("outcome") == "Expired"
-    wait_for(expired, timeout=60, interval=0.1, message="the attempt expired")
+        return str(history[0].get("outcome", "")) if history else ""
+    outcome = wait_for(ended, timeout=60, interval=0.1, message="the attempt ended")
+    assert outcome == "Expired", f"{outcome}: {e2e.task('force-deleted')['status']}\n{e2e.operator_logs()[-3000:]}"
     requeue_s = time.monotonic() - deleted_at
     e2e.figures["pod-deletion requeue"] = f"{requeue_s:.1f}s (lease 30s: the fast path, not the lease running out)"
     assert "force-deleted: expired attempt 1" in e2e.operator_logs()
