@@ -1,4 +1,4 @@
-"""`python -m tasklease.dev up|down|build|node-up|node-down`: the Makefile's entry to the local control plane and node."""
+"""`python -m tasklease.dev up|down|build|node-up|node-down`: the Makefile's entry to the local cluster."""
 
 from __future__ import annotations
 
