@@ -127,8 +127,9 @@ def _node_snapshot() -> dict[str, Any]:
     leaks = [*node.HOST_LEAKS, Path("/etc/cni"), Path("/run/runc"), Path("/var/lib/containers")]
     return {
         "sysctls": node.read_sysctls(),
-        "iptables": sorted(line for line in subprocess.run(["iptables-save"], capture_output=True, text=True,
-                                                            check=True).stdout.splitlines()
+        "iptables": sorted(line for tool in ("iptables-save", "ip6tables-save")
+                           for line in subprocess.run([tool], capture_output=True, text=True,
+                                                      check=True).stdout.splitlines()
                            if not line.startswith("#") and not line.startswith(":")),
         "paths": {str(p): p.exists() for p in leaks},
     }

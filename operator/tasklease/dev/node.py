@@ -3,9 +3,10 @@
 `make node` installs what is missing (Debian's containerd and runc, buildah, debootstrap,
 the CNI loopback plugin, iptables), builds the images (`tasklease.dev.images`), starts a
 private containerd, imports the images, and joins a kubelet to the cluster `make cluster`
-runs. Pods use hostNetwork only. Every process of the node runs in one cgroup-v2 group,
-and iptables rejects (and counts) anything it sends outside 127.0.0.0/8, as well as any
-connection to the Service range, which on this machine would route off the box.
+runs. Pods use hostNetwork only. The node's processes run in its cgroups (`tasklease-node`,
+and the kubelet's `kubepods` for pods); iptables and ip6tables reject (and count) anything
+they send outside loopback, and iptables any connection to the Service range, which on this
+machine would route off the box.
 
 `make node-down` puts back everything the kubelet and containerd change outside their
 root: processes, mounts, cgroups, the iptables rules, files in host-global paths, and the
@@ -344,14 +345,20 @@ def node_name() -> str:
 
 # -- the network fence -------------------------------------------------------------------
 
-def iptables_rules() -> list[list[str]]:
+# iptables for IPv4, ip6tables for IPv6 (this machine has a global IPv6 route too), with the
+# loopback destination of each family.
+_FAMILIES = (("iptables", "127.0.0.0/8"), ("ip6tables", "::1/128"))
+
+
+def iptables_rules(loopback: str = "127.0.0.0/8") -> list[list[str]]:
     """The chain's rules, in order. Comments name them for the e2e's counters."""
-    rules = [["-d", SERVICE_RANGE, "-m", "comment", "--comment", "tasklease-service-range",
-              "-j", "REJECT", "--reject-with", "icmp-net-unreachable"]]
+    rules = [] if ":" in loopback else [
+        ["-d", SERVICE_RANGE, "-m", "comment", "--comment", "tasklease-service-range",
+         "-j", "REJECT", "--reject-with", "icmp-net-unreachable"]]
     for group in NODE_GROUPS:
         own = ["-m", "cgroup", "--path", group]
         rules += [
-            [*own, "-d", "127.0.0.0/8", "-m", "comment", "--comment", "tasklease-node-loopback", "-j", "RETURN"],
+            [*own, "-d", loopback, "-m", "comment", "--comment", "tasklease-node-loopback", "-j", "RETURN"],
             [*own, "-m", "comment", "--comment", "tasklease-node-offbox", "-j", "REJECT"],
         ]
     return rules
@@ -359,35 +366,38 @@ def iptables_rules() -> list[list[str]]:
 
 def add_iptables_rules() -> None:
     remove_iptables_rules()
-    _iptables("-N", CHAIN)
-    for rule in iptables_rules():
-        _iptables("-A", CHAIN, *rule)
-    _iptables("-I", "OUTPUT", "1", "-j", CHAIN)
+    for tool, loopback in _FAMILIES:
+        _iptables(tool, "-N", CHAIN)
+        for rule in iptables_rules(loopback):
+            _iptables(tool, "-A", CHAIN, *rule)
+        _iptables(tool, "-I", "OUTPUT", "1", "-j", CHAIN)
 
 
 def remove_iptables_rules() -> None:
-    while _iptables("-D", "OUTPUT", "-j", CHAIN, check=False):
-        pass
-    _iptables("-F", CHAIN, check=False)
-    _iptables("-X", CHAIN, check=False)
+    for tool, _ in _FAMILIES:
+        while _iptables(tool, "-D", "OUTPUT", "-j", CHAIN, check=False):
+            pass
+        _iptables(tool, "-F", CHAIN, check=False)
+        _iptables(tool, "-X", CHAIN, check=False)
 
 
 def iptables_counters() -> dict[str, int]:
-    """Packets the chain's rules have matched, summed by comment."""
-    out = subprocess.run(["iptables", "-w", "-L", CHAIN, "-v", "-n", "-x"],
-                         capture_output=True, text=True, check=True).stdout
+    """Packets the chain's rules have matched, both families, summed by comment."""
     counters: dict[str, int] = {}
-    for line in out.splitlines():
-        if "/* " in line:
-            name = line.split("/* ", 1)[1].split(" */", 1)[0]
-            counters[name] = counters.get(name, 0) + int(line.split()[0])
+    for tool, _ in _FAMILIES:
+        out = subprocess.run([tool, "-w", "-L", CHAIN, "-v", "-n", "-x"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if "/* " in line:
+                name = line.split("/* ", 1)[1].split(" */", 1)[0]
+                counters[name] = counters.get(name, 0) + int(line.split()[0])
     return counters
 
 
-def _iptables(*args: str, check: bool = True) -> bool:
-    done = subprocess.run(["iptables", "-w", *args], capture_output=True, text=True)
+def _iptables(tool: str, *args: str, check: bool = True) -> bool:
+    done = subprocess.run([tool, "-w", *args], capture_output=True, text=True)
     if check and done.returncode != 0:
-        raise RuntimeError(f"iptables {' '.join(args)}: {done.stderr.strip()}")
+        raise RuntimeError(f"{tool} {' '.join(args)}: {done.stderr.strip()}")
     return done.returncode == 0
 
 
