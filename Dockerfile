@@ -1,9 +1,32 @@
 # The operator and agent image: `docker build -t tasklease:dev .` (see README, "Run on kind").
-FROM python:3.11-slim
+# `make node` builds this same file with buildah on a debootstrap'd Debian base:
+# --build-arg BASE_IMAGE=localhost/tasklease/debian-python:bookworm (no registry needed).
+# The default base is python:3.11-slim pinned by digest, so a build is reproducible.
+ARG BASE_IMAGE=python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
+
+FROM ${BASE_IMAGE} AS build
+# Only for builds behind an egress proxy with its own CA (unset otherwise; not kept in the image).
+ARG PIP_CERT
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
-RUN pip install --no-cache-dir . && rm -rf /src
-USER 65532
-ENTRYPOINT ["tasklease"]
+# A venv the runtime stage copies whole; dumb-init is the container's init (below).
+RUN python3 -m venv /opt/tasklease \
+ && /opt/tasklease/bin/pip install --no-cache-dir --disable-pip-version-check . dumb-init==1.2.5.post1 \
+ && /opt/tasklease/bin/pip uninstall -y -q pip setuptools
+
+FROM ${BASE_IMAGE}
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="tasklease" \
+      org.opencontainers.image.description="Kubernetes-native task leases: the tasklease operator and agent runner" \
+      org.opencontainers.image.version="${VERSION}"
+COPY --from=build /opt/tasklease /opt/tasklease
+# A user that exists (kopf and getpass look the uid up); the chart runs as 65532:65532.
+RUN echo 'tasklease:x:65532:65532:tasklease:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'tasklease:x:65532:' >> /etc/group
+ENV PATH=/opt/tasklease/bin:$PATH PYTHONUNBUFFERED=1
+USER 65532:65532
+# dumb-init as PID 1: forwards signals to `tasklease` (which releases its task on SIGTERM)
+# and reaps orphaned children, so `tasklease run` behaves in a pod as in a terminal.
+ENTRYPOINT ["dumb-init", "--", "tasklease"]
 CMD ["operator"]

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease.dev
 
-.PHONY: help venv build cluster cluster-down lint test demo bench generate clean
+.PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench generate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -24,8 +24,17 @@ build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (and helm
 cluster: build ## start the local control plane on 127.0.0.1 and apply crds/
 	$(LOCAL) up
 
-cluster-down: venv ## stop the local control plane and remove its data
+cluster-down: venv ## stop the local control plane (and the node) and remove its data
 	$(LOCAL) down
+
+node: build ## add a real node (containerd, kubelet, scheduler; loopback only) to the control plane; root
+	$(LOCAL) node-up
+
+node-down: venv ## remove the node and everything it changed on this machine (idempotent); root
+	$(LOCAL) node-down
+
+e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
+	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
 
 generate: venv ## regenerate crds/, the chart's CRD and RBAC rules, and the README's layout, from their sources
 	$(PY) -m tasklease.api.crd
@@ -37,8 +46,9 @@ lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: build lint ## lint, then the test suite (starts its own control plane; TASKLEASE_KUBECONFIG=... uses yours)
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
+	$(PY) -m pytest --ignore=tests/test_node_e2e.py $(PYTEST_ARGS)
+	$(MAKE) e2e
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
 	$(PY) -m tasklease.dev.demo

@@ -43,6 +43,8 @@
   verbs:
   - create
   - patch
+{{- end }}
+{{- define "tasklease.operatorClusterRules" }}
 - apiGroups:
   - apiextensions.k8s.io
   resources:

@@ -98,7 +98,7 @@ def render() -> str:
 
 def targets(root: Path) -> list[Path]:
     """Every checked-in copy: the CRD folder and the Helm chart's."""
-    return [root / "crds" / FILENAME, root / "helm" / "tasklease" / "crds" / FILENAME]
+    return [root / "crds" / FILENAME, root / "helm" / "tasklease" / "files" / FILENAME]
 
 
 def main() -> int:

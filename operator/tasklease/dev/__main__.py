@@ -1,4 +1,4 @@
-"""`python -m tasklease.dev up|down|build|tools`: the Makefile's entry to the local control plane."""
+"""`python -m tasklease.dev up|down|build|node-up|node-down`: the Makefile's entry to the local cluster."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from tasklease.dev import binaries
 from tasklease.dev.cluster import LocalCluster
 from tasklease.dev.crds import apply_crds
+from tasklease.dev.node import LocalNode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,26 +25,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crds", type=Path, default=Path("crds"), help="CRDs to apply (default: crds/)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the control plane (harmless when it already runs) and apply the CRDs")
-    sub.add_parser("down", help="stop every process `up` started and remove the data")
+    sub.add_parser("down", help="stop every process `up` started (and the node, if any) and remove the data")
+    sub.add_parser("node-up", help="add a real node (containerd, kubelet, scheduler) to the control plane; root")
+    sub.add_parser("node-down", help="remove the node and everything it changed on this machine; root")
     sub.add_parser("build", help="build (or find) etcd, kube-apiserver, kube-controller-manager, kubectl and helm")
     args = parser.parse_args(argv)
 
     cluster = LocalCluster(args.workdir, args.kubeconfig)
+    node = LocalNode(cluster, args.workdir.parent / "node", source=Path("."))
     if args.command == "build":
         bins = binaries.ensure_kubernetes()
         print(bins.kube_apiserver.parent)
         print(binaries.ensure_kubectl())
         print(binaries.ensure_helm())
         return 0
-    if args.command == "down":
+    if args.command in ("down", "node-down"):
+        try:
+            if args.command == "node-down" or node.workdir.exists():
+                node.down()
+        except (PermissionError, RuntimeError) as exc:
+            print(f"tasklease: node: {exc}", file=sys.stderr)
+            return 1
+        if args.command == "node-down":
+            print("tasklease: node removed", file=sys.stderr)
+            return 0
         cluster.down()
         print("tasklease: local control plane stopped", file=sys.stderr)
         return 0
     try:
-        state = cluster.up()
-        apply_crds(kubeconfig=Path(state.kubeconfig), folder=args.crds)
-    except (subprocess.CalledProcessError, RuntimeError, TimeoutError) as exc:
-        print(f"tasklease: local control plane: {exc}", file=sys.stderr)
+        if args.command == "node-up":
+            # No crds/ here: the chart installs and owns the CRD on a node's cluster.
+            node.up()
+            state = cluster.up(node=True)
+        else:
+            state = cluster.up()
+            apply_crds(kubeconfig=Path(state.kubeconfig), folder=args.crds)
+    except (subprocess.CalledProcessError, RuntimeError, TimeoutError, PermissionError) as exc:
+        print(f"tasklease: {'node' if args.command == 'node-up' else 'local control plane'}: {exc}",
+              file=sys.stderr)
         return 1
     print(f"export KUBECONFIG={state.kubeconfig}")
     return 0

@@ -59,6 +59,21 @@ def ensure_kubernetes(version: str = KUBERNETES_VERSION) -> Binaries:
     return wanted
 
 
+@dataclass(frozen=True)
+class NodeBinaries:
+    kubelet: Path
+    kube_scheduler: Path
+
+
+def ensure_node_binaries(version: str = KUBERNETES_VERSION) -> NodeBinaries:
+    """kubelet and kube-scheduler, built like the control plane into the same cache dir (`make node`)."""
+    bin_dir = kubernetes_bin_dir(version)
+    wanted = NodeBinaries(kubelet=bin_dir / "kubelet", kube_scheduler=bin_dir / "kube-scheduler")
+    if not (wanted.kubelet.exists() and wanted.kube_scheduler.exists()):
+        _build_kubernetes(version, bin_dir, commands=["kubelet", "kube-scheduler"], with_etcd=False)
+    return wanted
+
+
 def ensure_helm(version: str = HELM_VERSION) -> Path:
     found = shutil.which("helm")
     if found:
@@ -99,7 +114,12 @@ def _kubernetes_gomod(version: str) -> str:
     return Path(json.loads(out.stdout)["GoMod"]).read_text()
 
 
-def _build_kubernetes(version: str, bin_dir: Path) -> None:
+def _build_kubernetes(
+    version: str,
+    bin_dir: Path,
+    commands: tuple[str, ...] | list[str] = ("kube-apiserver", "kube-controller-manager"),
+    with_etcd: bool = True,
+) -> None:
     staging_version = "v0." + version.removeprefix("v1.")
     gomod = _kubernetes_gomod(version)
     replaces = [f"{m} => {m} {staging_version}" for m in sorted(set(_STAGING_REPLACE.findall(gomod)))]
@@ -114,19 +134,18 @@ def _build_kubernetes(version: str, bin_dir: Path) -> None:
         f"-X k8s.io/component-base/version.gitMinor={minor}",
         "-X k8s.io/component-base/version.gitTreeState=clean",
     ])
+    packages = [f"k8s.io/kubernetes/cmd/{command}@{version}" for command in commands]
+    if with_etcd:
+        # etcd's server module is its main package; taking the version
+        # kubernetes itself requires keeps the pair one tested combination.
+        packages.append(f"go.etcd.io/etcd/server/v3@{etcd.group(1)}")
     _go_build(
         module=f"k8s.io/kubernetes {version}",
-        packages=[
-            f"k8s.io/kubernetes/cmd/kube-apiserver@{version}",
-            f"k8s.io/kubernetes/cmd/kube-controller-manager@{version}",
-            # etcd's server module is its main package; taking the version
-            # kubernetes itself requires keeps the pair one tested combination.
-            f"go.etcd.io/etcd/server/v3@{etcd.group(1)}",
-        ],
+        packages=packages,
         replaces=replaces,
         ldflags=ldflags,
         out_dir=bin_dir,
-        label=f"kube-apiserver, kube-controller-manager and etcd for Kubernetes {version}",
+        label=f"{', '.join(commands)}{' and etcd' if with_etcd else ''} for Kubernetes {version}",
         renames={"server": "etcd"},
     )
 

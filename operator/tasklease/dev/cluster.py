@@ -52,6 +52,9 @@ class ClusterState:
     kubeconfig: str
     audit_log: str
     version: str
+    # Started for `make node`: the apiserver reaches kubelets, the controller-manager runs
+    # what pods need. Off for the test suite, whose control plane stays as it was.
+    node: bool = False
 
     @property
     def server(self) -> str:
@@ -77,10 +80,12 @@ class LocalCluster:
             return None
         return state if self._ready(state) else None
 
-    def up(self) -> ClusterState:
+    def up(self, *, node: bool = False) -> ClusterState:
         state = self.running()
-        if state is not None:
+        if state is not None and (state.node or not node):
             return state
+        if state is not None:
+            _log("restarting the control plane with what a node needs (its data is not kept)")
         self.down()
         bins = binaries.ensure_kubernetes()
         started = time.monotonic()
@@ -90,7 +95,7 @@ class LocalCluster:
         state = ClusterState(
             workdir=str(self.workdir), etcd_port=etcd_port, apiserver_port=apiserver_port,
             pids={}, kubeconfig=str(self.kubeconfig), audit_log=str(self.workdir / "audit.log"),
-            version=binaries.KUBERNETES_VERSION,
+            version=binaries.KUBERNETES_VERSION, node=node,
         )
         try:
             state.pids["etcd"] = self._start_etcd(bins, etcd_port)
@@ -99,7 +104,7 @@ class LocalCluster:
             self._write_state(state)
             self._wait_ready(state)
             self._write_kubeconfigs(state, pki)
-            state.pids["kube-controller-manager"] = self._start_controller_manager(bins, pki)
+            state.pids["kube-controller-manager"] = self._start_controller_manager(bins, pki, node=node)
             self._write_state(state)
         except BaseException:
             self.down()
@@ -115,7 +120,7 @@ class LocalCluster:
             for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
                 pid = pids.get(name)
                 if pid:
-                    _terminate(pid)
+                    terminate(pid)
             path.unlink()
         for sub in ("etcd-data", "pki", "audit.log", "logs"):
             target = self.workdir / sub
@@ -175,13 +180,26 @@ class LocalCluster:
             "--audit-log-mode=blocking",
             "--audit-log-maxsize=0",
             "--allow-privileged=true",
+            *([
+                # kubectl logs/exec: the kubelet authenticates the apiserver by client cert,
+                # and listens on 127.0.0.1 only, which the node's Hostname resolves to.
+                f"--kubelet-client-certificate={pki['admin_crt']}",
+                f"--kubelet-client-key={pki['admin_key']}",
+                "--kubelet-preferred-address-types=Hostname,InternalIP",
+            ] if state.node else []),
         ])
 
-    def _start_controller_manager(self, bins: binaries.Binaries, pki: dict[str, Path]) -> int:
+    def _start_controller_manager(self, bins: binaries.Binaries, pki: dict[str, Path], *, node: bool) -> int:
+        controllers = ["garbagecollector", "namespace", "serviceaccount", "serviceaccount-token"]
+        if node:
+            # Deployments make pods; every pod mounts kube-root-ca.crt; nodelifecycle lifts the
+            # not-ready taint a kubelet registers with; podgc removes pods of a deleted node.
+            controllers += ["deployment", "replicaset", "root-ca-cert-publisher", "nodelifecycle", "podgc",
+                            "disruption"]
         return self._spawn("kube-controller-manager", [
             str(bins.kube_controller_manager),
             f"--kubeconfig={self.workdir / 'pki' / 'controller-manager.kubeconfig'}",
-            "--controllers=garbagecollector,namespace,serviceaccount,serviceaccount-token",
+            f"--controllers={','.join(controllers)}",
             f"--service-account-private-key-file={pki['sa_key']}",
             f"--root-ca-file={pki['ca_crt']}",
             "--leader-elect=false",
@@ -229,9 +247,9 @@ class LocalCluster:
         _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365",
                  "-subj", "/CN=tasklease-local-ca", "-keyout", paths["ca_key"], "-out", paths["ca_crt"],
                  "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-        _signed_cert(paths, "serving", "/CN=kube-apiserver",
+        signed_cert(paths, "serving", "/CN=kube-apiserver",
                      "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc", "serverAuth")
-        _signed_cert(paths, "admin", f"/O=system:masters/CN={ADMIN_USER}", None, "clientAuth")
+        signed_cert(paths, "admin", f"/O=system:masters/CN={ADMIN_USER}", None, "clientAuth")
         _openssl("genrsa", "-out", paths["sa_key"], "2048")
         _openssl("rsa", "-in", paths["sa_key"], "-pubout", "-out", paths["sa_pub"])
         return paths
@@ -265,7 +283,7 @@ def namespaced_kubeconfig(kubeconfig: Path, namespace: str, target: Path) -> Pat
     return target
 
 
-def _signed_cert(paths: dict[str, Path], name: str, subject: str, san: str | None, usage: str) -> None:
+def signed_cert(paths: dict[str, Path], name: str, subject: str, san: str | None, usage: str) -> None:
     key, crt = paths[f"{name}_key"], paths[f"{name}_crt"]
     csr = crt.with_suffix(".csr")
     ext = crt.with_suffix(".ext")
@@ -304,7 +322,7 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def _terminate(pid: int, grace_s: float = 10.0) -> None:
+def terminate(pid: int, grace_s: float = 10.0) -> None:
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -1,0 +1,193 @@
+"""Container images without a registry: pause from C, a debootstrap'd Debian base, the Dockerfile.
+
+No registry is reachable from the machines this runs on, so `make node` makes every
+image it needs and caches it under the binary cache (``images/``): a static build of
+the pause container, a Debian rootfs from debootstrap turned into a base image with
+buildah, and the project's own Dockerfile built on that base. Each is kept as a
+docker-archive tarball, keyed by what it is built from, for `ctr images import`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tasklease.dev.binaries import cache_root
+
+PAUSE_IMAGE = "localhost/tasklease/pause:3.10"
+BASE_IMAGE = "localhost/tasklease/debian-python:bookworm"
+# What the chart and examples/agent-deployment.yaml name (`tasklease:dev`), normalised.
+PROJECT_IMAGE = "docker.io/library/tasklease:dev"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+
+# The pause container: sleep until told to stop, and reap children (the sandbox's PID 1).
+_PAUSE_C = r"""
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void stop(int sig) { (void)sig; _exit(0); }
+static void reap(int sig) { (void)sig; while (waitpid(-1, NULL, WNOHANG) > 0) {} }
+int main(void) {
+  struct sigaction s = {0}, r = {0};
+  s.sa_handler = stop; sigaction(SIGINT, &s, NULL); sigaction(SIGTERM, &s, NULL);
+  r.sa_handler = reap; r.sa_flags = SA_NOCLDSTOP; sigaction(SIGCHLD, &r, NULL);
+  for (;;) pause();
+}
+"""
+
+# Enough to build and run the project: pip comes from the venv module's bundled wheel.
+_DEBOOTSTRAP_PACKAGES = "python3,python3-venv,ca-certificates"
+
+
+def images_dir() -> Path:
+    return cache_root() / "images"
+
+
+def ensure_pause() -> Path:
+    """The pause image as a docker-archive (built once: gcc -static, then buildah)."""
+    archive = images_dir() / "pause-3.10.tar"
+    if archive.exists():
+        return archive
+    with tempfile.TemporaryDirectory(prefix="tasklease-pause-") as tmp:
+        work = Path(tmp)
+        (work / "pause.c").write_text(_PAUSE_C)
+        _run(["gcc", "-Os", "-static", "-o", str(work / "pause"), str(work / "pause.c")])
+        container = _buildah_out("from", "scratch")
+        try:
+            _buildah("copy", container, str(work / "pause"), "/pause")
+            _buildah("config", "--entrypoint", '["/pause"]', "--user", "65535:65535", container)
+            _buildah("commit", "-q", container, PAUSE_IMAGE)
+        finally:
+            _buildah("rm", container)
+    return _archive(PAUSE_IMAGE, archive)
+
+
+def ensure_base() -> str:
+    """The Debian base image in buildah's store (debootstrap once, cached as a rootfs tarball)."""
+    if _buildah_ok("inspect", "--type", "image", BASE_IMAGE):
+        return BASE_IMAGE
+    rootfs_tar = images_dir() / "debian-bookworm-python-rootfs.tar"
+    if not rootfs_tar.exists():
+        _log("debootstrapping a Debian bookworm rootfs with python3 (first time only; about 2 minutes)...")
+        with tempfile.TemporaryDirectory(prefix="tasklease-rootfs-") as tmp:
+            rootfs = Path(tmp) / "rootfs"
+            _run(["debootstrap", "--variant=minbase", f"--include={_DEBOOTSTRAP_PACKAGES}",
+                  "bookworm", str(rootfs), DEBIAN_MIRROR])
+            # Smaller, and pip may install into the image's own venvs like on python:3.11-slim.
+            for junk in ("usr/share/doc", "usr/share/man", "usr/share/locale", "var/lib/apt/lists",
+                         "var/cache/apt", "usr/lib/python3.11/EXTERNALLY-MANAGED"):
+                target = rootfs / junk
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+            partial = rootfs_tar.with_suffix(".partial")
+            _run(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(partial), "."])
+            partial.rename(rootfs_tar)
+    container = _buildah_out("from", "scratch")
+    try:
+        _buildah("add", container, str(rootfs_tar), "/")
+        _buildah("config", "--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                 "--env", "LANG=C.UTF-8", "--cmd", '["python3"]', container)
+        _buildah("commit", "-q", container, BASE_IMAGE)
+    finally:
+        _buildah("rm", container)
+    return BASE_IMAGE
+
+
+def project_archive(source: Path) -> Path:
+    """Where the project image built from ``source`` as it is now is cached."""
+    return images_dir() / f"tasklease-{_source_digest(source)}.tar"
+
+
+def ensure_project_image(source: Path) -> Path:
+    """The project's image, built from its own Dockerfile on the Debian base, as a docker-archive."""
+    archive = project_archive(source)
+    if archive.exists():
+        return archive
+    base = ensure_base()
+    _log("building the project image from the Dockerfile with buildah...")
+    # PyPI is reached through the host's network (buildah's default RUN network is a
+    # bridge), and possibly through an egress proxy whose CA only the host's bundle has.
+    ca_bundle = "/etc/ssl/certs/ca-certificates.crt"
+    mounts = ["-v", f"{ca_bundle}:{ca_bundle}:ro"] if Path(ca_bundle).exists() else []
+    proxy_args = [f"--build-arg={k}={v}" for k, v in os.environ.items()
+                  if k.lower() in ("http_proxy", "https_proxy", "no_proxy", "pip_index_url")]
+    _buildah("bud", "-q", "--pull=never", "--network", "host", "--layers=false",
+             f"--build-arg=BASE_IMAGE={base}", *proxy_args, *mounts,
+             *([f"--build-arg=PIP_CERT={ca_bundle}"] if mounts else []),
+             "-t", PROJECT_IMAGE, "-f", str(source / "Dockerfile"), str(source))
+    for stale in images_dir().glob("tasklease-*.tar"):
+        stale.unlink()
+    return _archive(PROJECT_IMAGE, archive)
+
+
+def buildah_store() -> list[str]:
+    """buildah's flags for the project's private image store (nothing in /var/lib/containers)."""
+    store = images_dir() / "buildah"
+    return ["--root", str(store / "root"), "--runroot", str(store / "run"), "--storage-driver", "overlay"]
+
+
+def _source_digest(source: Path) -> str:
+    """What the image is built from: the Dockerfile, pyproject.toml, README.md and operator/."""
+    digest = hashlib.sha256()
+    files = [source / "Dockerfile", source / "pyproject.toml", source / "README.md"]
+    files += sorted(p for p in (source / "operator").rglob("*")
+                    if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p))
+    for path in files:
+        digest.update(str(path.relative_to(source)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _archive(image: str, archive: Path) -> Path:
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_suffix(".partial")
+    partial.unlink(missing_ok=True)
+    _buildah("push", "-q", image, f"docker-archive:{partial}:{image}")
+    partial.rename(archive)
+    return archive
+
+
+# What buildah creates outside its store whatever its flags say (CNI's lock even with
+# --network host, runc's default root, the blob-info cache); removed when buildah made them.
+_BUILDAH_LEAKS = (Path("/etc/cni"), Path("/run/runc"), Path("/var/lib/containers"))
+
+
+def _buildah(*args: str) -> None:
+    _buildah_out(*args)
+
+
+def _buildah_out(*args: str) -> str:
+    fresh = [p for p in _BUILDAH_LEAKS if not p.exists()]
+    try:
+        return _run(["buildah", *buildah_store(), *args], capture=True).strip()
+    finally:
+        for leak in fresh:
+            shutil.rmtree(leak, ignore_errors=True)
+
+
+def _buildah_ok(*args: str) -> bool:
+    try:
+        _buildah_out(*args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _run(argv: list[str], *, capture: bool = False) -> str:
+    done = subprocess.run(argv, text=True, capture_output=capture)
+    if done.returncode != 0:
+        detail = f": {done.stderr.strip()[-800:]}" if capture and done.stderr else ""
+        raise RuntimeError(f"`{' '.join(argv[:6])} ...` failed (exit {done.returncode}){detail}")
+    return done.stdout if capture else ""
+
+
+def _log(message: str) -> None:
+    print(f"tasklease: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,115 @@
+"""The Helm chart's conventions, rendered by the real helm (no cluster): labels, schema, knobs."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from tasklease.dev import binaries
+
+CHART = ROOT / "helm" / "tasklease"
+
+
+def _helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(binaries.ensure_helm()), *args], capture_output=True, text=True)
+
+
+def render(*sets: str) -> list[dict[str, Any]]:
+    done = _helm("template", "rel", str(CHART), "-n", "ops", *[a for s in sets for a in ("--set", s)])
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_lint_strict_is_clean() -> None:
+    done = _helm("lint", "--strict", str(CHART))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("bad", ["operator.replica=1", "operator.replicas=two", "hostnetwork=true",
+                                 "image.digest=latest", "operator.logLevel=loud", "crds.keepIt=true"])
+def test_the_schema_rejects_typos_and_wrong_types(bad: str) -> None:
+    done = _helm("template", "rel", str(CHART), "--set", bad)
+    assert done.returncode != 0 and "schema" in done.stderr, done.stderr
+
+
+def test_every_object_and_pod_template_carries_the_standard_labels() -> None:
+    docs = render("metrics.serviceMonitor.enabled=true")
+    wanted = {"helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+              "app.kubernetes.io/managed-by"}
+    for doc in docs:
+        assert wanted <= set(doc["metadata"].get("labels", {})), f"{doc['kind']}/{doc['metadata']['name']}"
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]
+    assert wanted <= set(pod["metadata"]["labels"])
+    assert by_kind(docs, "ServiceMonitor")
+
+
+def test_pods_are_restricted_with_seccomp_and_a_group() -> None:
+    pod = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsGroup"] == 65532 and pod["securityContext"]["runAsNonRoot"]
+    container = pod["containers"][0]["securityContext"]
+    assert container["allowPrivilegeEscalation"] is False and container["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_the_crd_is_a_template_kept_on_uninstall_or_left_out() -> None:
+    crd = by_kind(render(), "CustomResourceDefinition")
+    assert crd and crd[0]["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert "annotations" not in by_kind(render("crds.keep=false"), "CustomResourceDefinition")[0]["metadata"]
+    assert not by_kind(render("crds.enabled=false"), "CustomResourceDefinition")
+    assert not (CHART / "crds").exists(), "a crds/ folder is installed once and never upgraded"
+
+
+def test_a_pdb_only_with_more_than_one_replica() -> None:
+    assert by_kind(render(), "PodDisruptionBudget")
+    assert not by_kind(render("operator.replicas=1"), "PodDisruptionBudget")
+
+
+def test_watch_namespaces_gives_roles_not_cluster_wide_rights() -> None:
+    docs = render("operator.watchNamespaces={a,b}")
+    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
+    assert roles == {("a", "rel-operator"), ("b", "rel-operator"), ("ops", "rel-operator")}
+    cluster = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == "rel-operator")
+    assert {res for rule in cluster["rules"] for res in rule["resources"]} <= {"customresourcedefinitions",
+                                                                                "namespaces"}
+    everywhere = next(r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"] == "rel-operator")
+    assert "leases" in {res for rule in everywhere["rules"] for res in rule["resources"]}
+
+
+def test_scheduling_image_and_extra_knobs_reach_the_pod() -> None:
+    digest = "sha256:" + "a" * 64
+    pod_template = by_kind(render(
+        f"image.digest={digest}", "imagePullSecrets[0].name=regcred", "operator.nodeSelector.disk=ssd",
+        "operator.tolerations[0].operator=Exists", "operator.priorityClassName=high",
+        "operator.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight=1",
+        "operator.topologySpreadConstraints[0].maxSkew=1", "operator.podAnnotations.team=infra",
+        "operator.extraEnv[0].name=EXTRA", "operator.extraEnv[0].value=on", "operator.extraArgs[0]=--verbose",
+    ), "Deployment")[0]["spec"]["template"]
+    pod = pod_template["spec"]
+    container = pod["containers"][0]
+    assert container["image"] == f"tasklease@{digest}"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["nodeSelector"] == {"disk": "ssd"}
+    assert pod["tolerations"] and pod["affinity"] and pod["topologySpreadConstraints"]
+    assert pod["priorityClassName"] == "high" and pod_template["metadata"]["annotations"] == {"team": "infra"}
+    assert {"name": "EXTRA", "value": "on"} in container["env"] and container["args"][-1] == "--verbose"
+
+
+def test_host_network_values_keep_the_pods_on_loopback() -> None:
+    pod = by_kind(render("hostNetwork=true", "apiServer.host=127.0.0.1", "apiServer.port=6443",
+                         "operator.httpHost=127.0.0.1"), "Deployment")[0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert pod["hostNetwork"] is True
+    assert env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1" and env["KUBERNETES_SERVICE_PORT"] == "6443"
+    assert "--http-host=127.0.0.1" in container["args"]
+    assert container["readinessProbe"]["httpGet"]["host"] == "127.0.0.1"
+    assert container["livenessProbe"]["httpGet"]["host"] == "127.0.0.1"
+    default = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
+    assert "hostNetwork" not in default and "host" not in default["containers"][0]["readinessProbe"]["httpGet"]

@@ -1,0 +1,469 @@
+"""End to end on real pods (`make e2e`): the chart, the image and the example agents on a node.
+
+By default the run brings up `make node` (a kubelet and containerd on the local control plane,
+loopback only) and removes it at the end, checking that nothing is left. With
+TASKLEASE_KUBECONFIG=/path it runs the same scenarios against that cluster (kind: load the
+image first with `kind load docker-image tasklease:dev`) and starts nothing.
+
+The tests run in file order and build on each other (one release, one agent fleet).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import ROOT, wait_for
+from tasklease.dev import binaries, images, node
+from tasklease.dev.cluster import LocalCluster, free_port
+
+pytestmark = [pytest.mark.skipif(not os.environ.get("TASKLEASE_E2E"), reason="real pods: run `make e2e`"),
+              pytest.mark.timeout(600)]
+
+RELEASE = "tasklease"
+NS = "tasklease-e2e"
+RESTRICTED_NS = "tasklease-e2e-restricted"
+AGENTS = "thumbnail-agents"
+QUEUE = "thumbnails"
+CHART = ROOT / "helm" / "tasklease"
+EXTERNAL = os.environ.get("TASKLEASE_KUBECONFIG")
+OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
+
+
+@dataclass
+class E2E:
+    kubeconfig: Path
+    apiserver_port: int | None  # None on an external cluster: pods use the in-cluster defaults
+    metrics_port: int
+    figures: dict[str, str] = field(default_factory=dict)
+    local: LocalCluster | None = None
+    node: node.LocalNode | None = None
+    before: dict[str, Any] = field(default_factory=dict)
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
+        done = subprocess.run([str(binaries.ensure_kubectl()), f"--kubeconfig={self.kubeconfig}", *args],
+                              capture_output=True, text=True, input=input, timeout=120)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def helm(self, *args: str) -> str:
+        done = subprocess.run([str(binaries.ensure_helm()), f"--kubeconfig={self.kubeconfig}", *args],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr.strip()}"
+        return done.stdout
+
+    def values(self, *, host_network: bool = True) -> list[str]:
+        """The chart values for this cluster: on the local node, hostNetwork and loopback only."""
+        common = ["--set", f"metrics.port={self.metrics_port}"]
+        if self.apiserver_port is None or not host_network:
+            return common
+        return common + [
+            "--set", "hostNetwork=true",
+            "--set", "apiServer.host=127.0.0.1", "--set", f"apiServer.port={self.apiserver_port}",
+            "--set", "operator.httpHost=127.0.0.1",
+            # One node: the port is the host's, so one replica and Recreate (no surge pod).
+            "--set", "operator.replicas=1", "--set", "operator.strategy.type=Recreate",
+            # Never a registry: the image was imported into the node's containerd.
+            "--set", "image.pullPolicy=Never",
+        ]
+
+    def agents_manifest(self, *, host_network: bool = True) -> str:
+        """examples/agent-deployment.yaml; on the local node with what the chart's values do for its pods."""
+        deployment = yaml.safe_load((ROOT / "examples" / "agent-deployment.yaml").read_text())
+        if self.apiserver_port is not None and host_network:
+            pod = deployment["spec"]["template"]["spec"]
+            pod["hostNetwork"] = True
+            pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+            container = pod["containers"][0]
+            container["imagePullPolicy"] = "Never"
+            container["env"] += [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                                 {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.apiserver_port)}]
+        return yaml.safe_dump(deployment)
+
+    def task(self, name: str) -> dict[str, Any]:
+        found: dict[str, Any] = self.json("task", name, "-n", NS)
+        return found
+
+    def apply_tasks(self, *names: str) -> None:
+        template = yaml.safe_load((ROOT / "examples" / "task.yaml").read_text())
+        docs = []
+        for name in names:
+            task = json.loads(json.dumps(template))
+            task["metadata"] = {"name": name}
+            task["spec"]["payload"] = {"image": f"s3://photos/{name}.png", "width": 256}
+            docs.append(task)
+        self.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump_all(docs))
+
+    def phase(self, name: str) -> str:
+        return str(self.task(name).get("status", {}).get("phase", ""))
+
+    def ready_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        pods = self.json("pods", "-n", namespace, "-l", selector)["items"]
+        return [p for p in pods if p["metadata"].get("deletionTimestamp") is None and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))]
+
+    def operator_logs(self) -> str:
+        return self.kubectl("logs", "-n", NS, "-l", OPERATOR_SELECTOR, "--tail=-1", check=False)
+
+
+def _node_snapshot() -> dict[str, Any]:
+    """What the node may change on this machine, to compare after `make node-down`."""
+    leaks = [*node.HOST_LEAKS, Path("/etc/cni"), Path("/run/runc"), Path("/var/lib/containers")]
+    return {
+        "sysctls": node.read_sysctls(),
+        "iptables": sorted(line for tool in ("iptables-save", "ip6tables-save")
+                           for line in subprocess.run([tool], capture_output=True, text=True,
+                                                      check=True).stdout.splitlines()
+                           if not line.startswith("#") and not line.startswith(":")),
+        "paths": {str(p): p.exists() for p in leaks},
+    }
+
+
+@pytest.fixture(scope="module")
+def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
+    started = time.monotonic()
+    if EXTERNAL:
+        run = E2E(kubeconfig=Path(EXTERNAL), apiserver_port=None, metrics_port=8080)
+    else:
+        local = LocalCluster(ROOT / ".cache" / "cluster", ROOT / ".cache" / "kubeconfig")
+        was_running = local.running() is not None
+        local_node = node.LocalNode(local, ROOT / ".cache" / "node", source=ROOT)
+        local_node.down()  # a fresh node; `before` is the machine without it
+        before = _node_snapshot()
+        cached = (binaries.kubernetes_bin_dir() / "kubelet").exists() and images.project_archive(ROOT).exists()
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "tasklease.dev", "node-up"], cwd=ROOT, check=True)
+        make_node_s = time.monotonic() - t0
+        state = local_node.running()
+        assert state is not None, "make node did not leave a running node"
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "tasklease.dev", "node-up"], cwd=ROOT, check=True)
+        again = local_node.running()
+        assert again is not None and again.pids == state.pids, "a second `make node` must find the running one"
+        run = E2E(kubeconfig=local.kubeconfig, apiserver_port=state.apiserver_port, metrics_port=free_port(),
+                  local=local, node=local_node, before=before)
+        run.figures["make node"] = (f"{make_node_s:.1f}s (binaries and images cached: {cached}); "
+                                    f"again, already up: {time.monotonic() - t0:.1f}s")
+
+    class Figures:
+        def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+            terminalreporter.section("e2e figures")
+            for name, value in run.figures.items():
+                terminalreporter.write_line(f"{name}: {value}")
+
+    request.config.pluginmanager.register(Figures(), "tasklease-e2e-figures")
+    _clean(run)
+    try:
+        yield run
+    finally:
+        _clean(run)
+        if run.node is not None and run.local is not None:
+            subprocess.run([sys.executable, "-m", "tasklease.dev", "node-down"], cwd=ROOT, check=False)
+            if not was_running:
+                run.local.down()
+        run.figures["make e2e"] = f"{time.monotonic() - started:.1f}s"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:  # the process ended
+        return ""
+
+
+def _clean(e2e: E2E) -> None:
+    """No namespace, release or CRD of an earlier run (pods first: the node may be going away)."""
+    for namespace in (NS, RESTRICTED_NS):
+        e2e.kubectl("delete", "pods", "--all", "-n", namespace, "--force", "--grace-period=0", check=False)
+    e2e.kubectl("delete", "namespace", NS, RESTRICTED_NS, "--ignore-not-found", "--timeout=120s", check=False)
+    e2e.kubectl("delete", "crd", "tasks.tasklease.dev", "--ignore-not-found", "--timeout=60s", check=False)
+    for name in (RELEASE, "restricted"):
+        e2e.kubectl("delete", "clusterrole,clusterrolebinding,validatingadmissionpolicy,"
+                    "validatingadmissionpolicybinding", "-l", f"app.kubernetes.io/instance={name}", check=False)
+
+
+def _install(e2e: E2E, *extra: str) -> None:
+    e2e.kubectl("create", "namespace", NS, check=False)
+    e2e.helm("upgrade", "--install", RELEASE, str(CHART), "-n", NS, "--take-ownership", *e2e.values(), *extra)
+
+
+# -- 1. the operator --------------------------------------------------------------------------------
+
+
+def test_operator_pod_becomes_ready_with_its_real_probes(e2e: E2E) -> None:
+    _install(e2e)
+    pods = wait_for(lambda: e2e.ready_pods(NS, OPERATOR_SELECTOR), timeout=180, interval=0.5,
+                    message="the operator pod to be Ready")
+    container = pods[0]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    if e2e.apiserver_port is not None:
+        # The kubelet probes 127.0.0.1, where the operator listens: the same endpoints answer us.
+        assert container["readinessProbe"]["httpGet"]["host"] == "127.0.0.1"
+        for path in ("/readyz", "/healthz"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{e2e.metrics_port}{path}", timeout=5) as resp:
+                assert resp.status == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{e2e.metrics_port}/metrics", timeout=5) as resp:
+            assert b"tasklease_" in resp.read()
+        # Never the eth0 address: the operator's endpoints are on loopback only.
+        listening = subprocess.run(["ss", "-Hltn", f"sport = :{e2e.metrics_port}"], capture_output=True,
+                                   text=True).stdout
+        local_addresses = [line.split()[3] for line in listening.splitlines()]
+        assert local_addresses and all(a.startswith("127.0.0.1:") for a in local_addresses), listening
+        # The pod's processes are in a cgroup whose packets the iptables rules count.
+        groups = [Path(f"/proc/{pid}/cgroup").read_text() for pid in os.listdir("/proc") if pid.isdigit()
+                  and f"--http-port={e2e.metrics_port}" in _read(Path(f"/proc/{pid}/cmdline"))]
+        assert groups and all("\n0::/kubepods/" in "\n" + g for g in groups), groups
+
+
+# -- 2. the agents ---------------------------------------------------------------------------------
+
+
+def test_example_agents_become_ready_with_the_chart_service_account(e2e: E2E) -> None:
+    e2e.kubectl("apply", "-n", NS, "-f", "-", input=e2e.agents_manifest())
+    pods = wait_for(lambda: len(p := e2e.ready_pods(NS, f"app.kubernetes.io/name={AGENTS}")) == 3 and p,
+                    timeout=180, interval=0.5, message="3 agent pods Ready")
+    for pod in pods:
+        assert pod["spec"]["serviceAccountName"] == "tasklease-agent"
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+# -- 3. tasks --------------------------------------------------------------------------------------
+
+
+def test_tasks_applied_with_kubectl_all_succeed(e2e: E2E) -> None:
+    names = [f"photo-{i}" for i in range(6)]
+    e2e.apply_tasks(*names)
+    wait_for(lambda: all(e2e.phase(n) == "Succeeded" for n in names), timeout=180, interval=1,
+             message="every task Succeeded")
+    agents = {p["metadata"]["name"] for p in e2e.json("pods", "-n", NS, "-l", f"app.kubernetes.io/name={AGENTS}")[
+        "items"]}
+    holders = set()
+    for name in names:
+        status = e2e.task(name)["status"]
+        assert status["attempt"] == 1
+        # The holder is <pod>/<instance>: POD_NAME from the downward API, and the claim got past the
+        # admission policy, which only lets a token bound to that very pod claim in its name.
+        holders.add(status["history"][0]["holder"].split("/")[0])
+    assert holders <= agents
+    if e2e.local is not None:
+        # The audit log names who wrote the Leases: the chart's agent ServiceAccount, with tokens
+        # bound to the agent pods.
+        writers = set()
+        for line in (e2e.local.workdir / "audit.log").read_text().splitlines():
+            event = json.loads(line)
+            if event.get("objectRef", {}).get("resource") == "leases" and event.get("verb") in ("create", "update") \
+                    and event.get("objectRef", {}).get("namespace") == NS:
+                user = event["user"]
+                writers.add((user["username"], *user.get("extra", {}).get("authentication.kubernetes.io/pod-name",
+                                                                           [""])))
+        agent_writers = {pod for user, pod in writers if user == f"system:serviceaccount:{NS}:tasklease-agent"}
+        assert holders <= agent_writers, writers
+
+
+def _claimed(e2e: E2E, name: str) -> str:
+    def holder() -> str:
+        status = e2e.task(name).get("status", {})
+        return str(status.get("holder", "")) if status.get("phase") == "Running" else ""
+    return str(wait_for(holder, timeout=120, interval=0.2, message=f"{name} claimed")).split("/")[0]
+
+
+# -- 4. pod deletion: the fast path -----------------------------------------------------------------
+
+
+def test_force_deleting_the_holder_pod_requeues_at_once(e2e: E2E) -> None:
+    e2e.apply_tasks("force-deleted")
+    holder = _claimed(e2e, "force-deleted")
+    # Freeze the pod first (a hung or cut-off holder): with a live agent, the kubelet's SIGTERM
+    # would have it release the task itself, racing the operator's pod-deletion fast path.
+    e2e.kubectl("exec", "-n", NS, holder, "--", "sh", "-c", "kill -STOP -1")
+    deleted_at = time.monotonic()
+    e2e.kubectl("delete", "pod", holder, "-n", NS, "--grace-period=0", "--force")
+
+    def ended() -> str:
+        history = e2e.task("force-deleted").get("status", {}).get("history", [])
+        return str(history[0].get("outcome", "")) if history else ""
+    outcome = wait_for(ended, timeout=60, interval=0.1, message="the attempt ended")
+    assert outcome == "Expired", f"{outcome}: {e2e.task('force-deleted')['status']}\n{e2e.operator_logs()[-3000:]}"
+    requeue_s = time.monotonic() - deleted_at
+    e2e.figures["pod-deletion requeue"] = f"{requeue_s:.1f}s (lease 30s: the fast path, not the lease running out)"
+    assert "force-deleted: expired attempt 1" in e2e.operator_logs()
+    assert "(pod-gone," in e2e.operator_logs().split("force-deleted: expired attempt 1", 1)[1].split("\n", 1)[0]
+    wait_for(lambda: e2e.phase("force-deleted") == "Succeeded", timeout=120, interval=0.5,
+             message="another pod finished it")
+    final = e2e.task("force-deleted")["status"]
+    assert final["attempt"] == 2 and not final["holder"].startswith(holder)
+
+
+# -- 5. graceful deletion: SIGTERM ----------------------------------------------------------------
+
+
+def test_graceful_pod_deletion_releases_the_task_and_exits_within_grace(e2e: E2E) -> None:
+    wait_for(lambda: len(e2e.ready_pods(NS, f"app.kubernetes.io/name={AGENTS}")) == 3, timeout=120, interval=0.5,
+             message="the Deployment back to 3 Ready agents")
+    e2e.apply_tasks("gracefully-stopped")
+    holder = _claimed(e2e, "gracefully-stopped")
+    started = time.monotonic()
+    e2e.kubectl("delete", "pod", holder, "-n", NS, "--wait=false")
+
+    def released() -> bool:
+        history = e2e.task("gracefully-stopped").get("status", {}).get("history", [])
+        return bool(history) and history[0].get("outcome") == "Released"
+    wait_for(released, timeout=30, interval=0.1, message="the task released by SIGTERM")
+    wait_for(lambda: not e2e.json("pods", "-n", NS, "--field-selector", f"metadata.name={holder}")["items"],
+             timeout=30, interval=0.2, message="the pod gone within its 30s grace period")
+    gone_s = time.monotonic() - started
+    # The container exited on its own: a pod killed at the end of its grace period takes 30s.
+    assert gone_s < 25, f"the pod took {gone_s:.1f}s to go: SIGTERM did not end it"
+    e2e.figures["graceful deletion, pod gone"] = f"{gone_s:.1f}s of a 30s grace period"
+    wait_for(lambda: e2e.phase("gracefully-stopped") == "Succeeded", timeout=120, interval=0.5,
+             message="the released task finished by another pod")
+
+
+# -- 6. the operator pod dies ---------------------------------------------------------------------
+
+
+def test_operator_pod_death_loses_nothing_and_completes_nothing_twice(e2e: E2E) -> None:
+    old = e2e.ready_pods(NS, OPERATOR_SELECTOR)[0]["metadata"]["name"]
+    names = [f"during-restart-{i}" for i in range(4)]
+    e2e.apply_tasks(*names)
+    e2e.kubectl("delete", "pod", old, "-n", NS, "--wait=false")
+    wait_for(lambda: [p for p in e2e.ready_pods(NS, OPERATOR_SELECTOR) if p["metadata"]["name"] != old],
+             timeout=180, interval=0.5, message="a replacement operator pod Ready")
+    wait_for(lambda: all(e2e.phase(n) == "Succeeded" for n in names), timeout=180, interval=1,
+             message="every task Succeeded across the operator restart")
+    for name in names:
+        history = e2e.task(name)["status"]["history"]
+        assert [a["outcome"] for a in history] == ["Succeeded"], f"{name}: {history}"
+
+
+# -- 7. a namespace enforcing Pod Security `restricted` ----------------------------------------------
+
+
+def test_the_chart_and_example_are_admitted_under_restricted(e2e: E2E) -> None:
+    e2e.kubectl("create", "namespace", RESTRICTED_NS)
+    e2e.kubectl("label", "namespace", RESTRICTED_NS, "pod-security.kubernetes.io/enforce=restricted")
+    # hostNetwork is never `restricted`: this install uses the chart's normal pod-network values.
+    e2e.helm("install", "restricted", str(CHART), "-n", RESTRICTED_NS, "--set", "crds.enabled=false",
+             "--set", "operator.replicas=1", *e2e.values(host_network=False))
+    e2e.kubectl("apply", "-n", RESTRICTED_NS, "-f", "-", input=e2e.agents_manifest(host_network=False))
+
+    def admitted(selector: str, count: int) -> bool:
+        return len(e2e.json("pods", "-n", RESTRICTED_NS, "-l", selector)["items"]) == count
+    # Admitted: the ReplicaSets created every pod, past Pod Security `restricted`.
+    wait_for(lambda: admitted("app.kubernetes.io/instance=restricted", 1), timeout=120, interval=1,
+             message="the operator pod admitted")
+    wait_for(lambda: admitted(f"app.kubernetes.io/name={AGENTS}", 3), timeout=120, interval=1,
+             message="the agent pods admitted")
+    events = e2e.kubectl("get", "events", "-n", RESTRICTED_NS, "--field-selector", "reason=FailedCreate")
+    assert "violates PodSecurity" not in events
+    if EXTERNAL:
+        # On a pod network they run for real. (The local node runs hostNetwork pods only: its
+        # loopback-only CNI gives a pod network namespace no address, so these cannot start there.)
+        wait_for(lambda: e2e.ready_pods(RESTRICTED_NS, "app.kubernetes.io/instance=restricted"), timeout=180,
+                 interval=1, message="the operator Ready under restricted")
+        wait_for(lambda: len(e2e.ready_pods(RESTRICTED_NS, f"app.kubernetes.io/name={AGENTS}")) == 3,
+                 timeout=180, interval=1, message="the agents Ready under restricted")
+    # Proof the label bites: a hostNetwork pod is refused there.
+    refused = subprocess.run(
+        [str(binaries.ensure_kubectl()), f"--kubeconfig={e2e.kubeconfig}", "apply", "-n", RESTRICTED_NS,
+         "-f", "-"], input=e2e.agents_manifest(host_network=True).replace(AGENTS, "hostnet-agents"),
+        capture_output=True, text=True)
+    if e2e.apiserver_port is not None:
+        wait_for(lambda: "violates PodSecurity" in e2e.kubectl(
+            "get", "events", "-n", RESTRICTED_NS, "--field-selector", "reason=FailedCreate"),
+            timeout=60, interval=1, message="the hostNetwork pods refused by Pod Security")
+    assert refused.returncode == 0  # Deployments are admitted; their pods are not
+    e2e.kubectl("delete", "deployment", "--all", "-n", RESTRICTED_NS)
+    e2e.helm("uninstall", "restricted", "-n", RESTRICTED_NS)
+
+
+# -- 8. upgrade with a changed CRD --------------------------------------------------------------------
+
+
+def test_helm_upgrade_applies_a_changed_crd(e2e: E2E, tmp_path: Path) -> None:
+    changed = tmp_path / "tasklease"
+    subprocess.run(["cp", "-r", str(CHART), str(changed)], check=True)
+    crd_file = changed / "files" / "tasks.tasklease.dev.yaml"
+    crd = yaml.safe_load(crd_file.read_text())
+    crd["spec"]["versions"][0]["additionalPrinterColumns"].append(
+        {"name": "Upgraded", "type": "string", "jsonPath": ".spec.queue", "priority": 1})
+    crd_file.write_text(yaml.safe_dump(crd))
+    e2e.helm("upgrade", RELEASE, str(changed), "-n", NS, *e2e.values())
+    served = e2e.json("crd", "tasks.tasklease.dev")
+    assert "Upgraded" in [c["name"] for c in served["spec"]["versions"][0]["additionalPrinterColumns"]]
+    assert e2e.phase("photo-0") == "Succeeded"  # the tasks are untouched
+    e2e.helm("upgrade", RELEASE, str(CHART), "-n", NS, *e2e.values())
+    served = e2e.json("crd", "tasks.tasklease.dev")
+    assert "Upgraded" not in [c["name"] for c in served["spec"]["versions"][0]["additionalPrinterColumns"]]
+
+
+# -- 9. uninstall ---------------------------------------------------------------------------------
+
+
+def test_uninstall_keeps_the_crd_and_tasks_and_nothing_else(e2e: E2E) -> None:
+    # The agents first: they use the chart's ServiceAccount, which the uninstall deletes.
+    e2e.kubectl("delete", "deployment", AGENTS, "-n", NS, "--wait=true", "--timeout=60s")
+    tasks_before = {t["metadata"]["name"] for t in e2e.json("tasks", "-n", NS)["items"]}
+    e2e.helm("uninstall", RELEASE, "-n", NS, "--wait")
+    crd = e2e.json("crd", "tasks.tasklease.dev")
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert {t["metadata"]["name"] for t in e2e.json("tasks", "-n", NS)["items"]} == tasks_before
+    kinds = ("deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets,"
+             "configmaps,secrets")
+    left = e2e.json(kinds, "-A", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    left += e2e.json("clusterroles,clusterrolebindings,validatingadmissionpolicies,"
+                     "validatingadmissionpolicybindings", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    assert [f"{o['kind']}/{o['metadata']['name']}" for o in left
+            if not o["metadata"].get("deletionTimestamp")] == []  # a pod still terminating counts as gone
+    wait_for(lambda: not e2e.json("pods", "-n", NS)["items"], timeout=60, interval=0.5, message="no pod left")
+
+
+# -- loopback only, and nothing left -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(EXTERNAL), reason="the local node's network fence")
+def test_no_packet_from_the_node_left_loopback(e2e: E2E) -> None:
+    counters = node.iptables_counters()
+    assert counters["tasklease-node-loopback"] > 0, "the rule must see the node's own traffic"
+    assert counters["tasklease-node-offbox"] == 0, f"packets from the node went off loopback: {counters}"
+    assert counters["tasklease-service-range"] == 0, f"something tried the Service range: {counters}"
+    # The fence holds: a connection to the `kubernetes` ClusterIP is refused here, never sent.
+    with pytest.raises(OSError), socket.create_connection(("10.0.0.1", 443), timeout=5):
+        pass
+    assert node.iptables_counters()["tasklease-service-range"] >= 1
+    e2e.figures["iptables"] = f"{counters['tasklease-node-loopback']} node packets on loopback, 0 elsewhere"
+
+
+@pytest.mark.skipif(bool(EXTERNAL), reason="the local node")
+def test_node_down_leaves_nothing(e2e: E2E) -> None:
+    assert e2e.node is not None
+    state = e2e.node.running()
+    assert state is not None
+    # Pods ran in the node's cgroup, which the iptables rules match.
+    assert node.node_cgroups() and node.node_mounts([e2e.node.workdir])
+    for _ in range(2):  # idempotent
+        subprocess.run([sys.executable, "-m", "tasklease.dev", "node-down"], cwd=ROOT, check=True)
+    from tasklease.dev.cluster import process_alive
+    assert not [name for name, pid in state.pids.items() if process_alive(pid)]
+    assert not node.node_mounts([e2e.node.workdir, *node.HOST_LEAKS])
+    assert not node.node_cgroups()
+    assert _node_snapshot() == e2e.before
+    assert not e2e.node.workdir.exists()
