@@ -20,7 +20,9 @@ from tasklease.kube.watching import Reflector
 OnCancel = Callable[[str], None]
 Key = tuple[int, str, str]  # (id of the API client, namespace, queue)
 _WATCH_TIMEOUT_S = 60  # a stopped watch's stream ends within this
-_REMEMBER = 1024  # cancelled or deleted uids kept for a claim registering just after the news
+_REMEMBER = 1024  # cancelled or deleted uids (both final) kept for a claim registering just after the news
+
+_SYNC_S = 10.0  # how long a claim waits for its queue's watch to list (only the first claim does)
 
 _lock = threading.Lock()
 
@@ -28,6 +30,7 @@ _lock = threading.Lock()
 class _QueueFollower:
     def __init__(self, kube: Kube, key: Key) -> None:
         self.key = key
+        self.kube = kube
         self.watchers: dict[str, tuple[str, OnCancel]] = {}  # name → (uid, callback)
         self.ended: OrderedDict[str, str] = OrderedDict()  # uid → why, newest last
         # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
@@ -38,19 +41,30 @@ class _QueueFollower:
     def _seen(self, kind: str, obj: JSON) -> None:
         meta: dict[str, Any] = obj["metadata"]
         if kind == "DELETED":
-            why = f"task {meta['namespace']}/{meta['name']} was deleted or has finished"
+            self.verify(meta["name"], meta["uid"])
         elif (obj.get("spec") or {}).get("cancel"):
-            why = f"task {meta['namespace']}/{meta['name']} was cancelled"
-        else:
-            return
+            self._end(meta["name"], meta["uid"], f"task {meta['namespace']}/{meta['name']} was cancelled")
+
+    def verify(self, name: str, uid: str) -> None:
+        """The task left (or was never seen by) the watch: ask the API server why. Leaving the
+        selector is not the end by itself, since a finished task can be retried; only a
+        deletion or a cancel is final, so only those are remembered for a late claim."""
+        live = self.kube.get_or_none(TASKS, name, namespace=self.key[1]) or {}
+        if (live.get("metadata") or {}).get("uid") != uid:
+            self._end(name, uid, f"task {self.key[1]}/{name} was deleted")
+        elif (live.get("spec") or {}).get("cancel"):
+            self._end(name, uid, f"task {self.key[1]}/{name} was cancelled")
+        # else finished meanwhile: its holder hears it from the Lease at its next renewal
+
+    def _end(self, name: str, uid: str, why: str) -> None:
         with _lock:
-            self.ended[meta["uid"]] = why
+            self.ended[uid] = why
             while len(self.ended) > _REMEMBER:
                 self.ended.popitem(last=False)
-            uid, callback = self.watchers.get(meta["name"], ("", None))
-            if callback is None or uid != meta["uid"]:
+            found, callback = self.watchers.get(name, ("", None))
+            if callback is None or found != uid:
                 return
-            del self.watchers[meta["name"]]
+            del self.watchers[name]
         callback(why)
 
 
@@ -87,8 +101,12 @@ def follow(kube: Kube, *, namespace: str, queue: str, name: str, uid: str, on_ca
             follower.watchers[name] = (uid, on_cancel)
         elif not follower.watchers:
             del _followers[key]
-    if fresh and why is None:
-        follower.reflector.start()
     if why is not None:
         on_cancel(why)
+        return Following(key, name, uid)
+    if fresh:
+        follower.reflector.start()
+    # A cancel or deletion between the claim and the watch's first list sends no event.
+    if follower.reflector.synced.wait(_SYNC_S) and name not in follower.reflector.store:
+        follower.verify(name, uid)
     return Following(key, name, uid)
