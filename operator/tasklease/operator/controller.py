@@ -9,7 +9,8 @@ kopf choices, on purpose (see docs/operator.md):
 - Handlers are `async` and only update memory; API writes happen in worker threads
   with the synchronous client, never on kopf's event loop.
 - kopf posts no Events of its own (`settings.posting.enabled = False`); the reconciler
-  posts one per task transition. Peering is off (`standalone`): HA is a Lease election.
+  posts one per abnormal task transition (and per happy one with `--events=all`).
+  Peering is off (`standalone`): HA is a Lease election.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def run_operator(args: argparse.Namespace) -> int:
         raise errors.Invalid("--all-namespaces and --namespace exclude each other")
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
-    reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers)
+    reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
+                            coalesce_s=args.coalesce, happy_events=args.events == "all")
     stop = threading.Event()
     ready = threading.Event()
     elector = None
@@ -141,9 +143,12 @@ def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.E
             elif self.path == "/healthz":
                 self._reply(200, b"ok\n")
             elif self.path == "/readyz":
-                role = b"leader" if reconciler.active.is_set() else b"standby"
-                state = b"ready " if ready.is_set() else b"starting "
-                self._reply(200 if ready.is_set() else 503, state + role + b"\n")
+                # A leader is ready once it has reconciled every Task that existed when it
+                # started leading (the initial backlog); a standby once its watches run.
+                leader = reconciler.active.is_set()
+                ok = ready.is_set() and (not leader or reconciler.caught_up.is_set())
+                state = b"ready " if ok else b"starting "
+                self._reply(200 if ok else 503, state + (b"leader" if leader else b"standby") + b"\n")
             else:
                 self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
 
