@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import heapq
+import json
 import threading
 import time
 from dataclasses import replace
@@ -38,12 +39,16 @@ def lease_selector(queue: str) -> str:
     return f"{record.LABEL_QUEUE}={queue}"
 
 
+def weight(holder: str, name: str) -> float:
+    """`holder`'s rendezvous weight for task `name`, in [0, 1): the same on every look."""
+    digest = hashlib.blake2b(f"{holder}\0{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
 def rendezvous(holder: str, names: list[str]) -> list[str]:
-    """`names` in `holder`'s own order (highest random weight first): agents looking at the
-    same candidates prefer different ones, so they rarely race for the same task."""
-    def weight(name: str) -> bytes:
-        return hashlib.blake2b(f"{holder}\0{name}".encode(), digest_size=8).digest()
-    return sorted(names, key=weight, reverse=True)
+    """`names` in `holder`'s own order (highest weight first): agents looking at the same
+    candidates prefer different ones, so they rarely race for the same task."""
+    return sorted(names, key=lambda name: weight(holder, name), reverse=True)
 
 
 class CandidateIndex:
@@ -112,7 +117,8 @@ class QueueView:
     def __init__(self, kube: Kube, *, namespace: str, queue: str) -> None:
         self.queue = queue
         self._tasks: dict[str, TaskView] = {}
-        self._leases: dict[str, LeaseRecord] = {}
+        self._leases: dict[str, LeaseRecord] = {}  # without their history: see _on_lease
+        self._histories: dict[str, str] = {}  # name → the Lease's history annotation, as sent
         self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
         self._index = CandidateIndex()
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
@@ -161,7 +167,7 @@ class QueueView:
                     else:
                         self._judge(name, now)  # its deadline passed since it was indexed
                 if ready:
-                    return [(self._tasks[n], self._leases.get(n)) for n in rendezvous(holder, ready)]
+                    return [(self._tasks[n], self._with_history(n)) for n in rendezvous(holder, ready)]
 
     def claimable_count(self) -> int:
         with self._changed:
@@ -197,23 +203,46 @@ class QueueView:
                 # Finished (it left the phase selector) or deleted: its Lease no longer matters.
                 self._tasks.pop(name, None)
                 self._leases.pop(name, None)
+                self._histories.pop(name, None)
                 self._lost.pop(name, None)
             else:
                 self._tasks[name] = view
             self._judge(name, timestamps.now_utc())
 
     def _on_lease(self, kind: str, obj: JSON) -> None:
-        name = obj["metadata"]["name"]
-        # The raw object stays with the API server: we keep only what the rule and a claim need.
-        rec = None if kind == "DELETED" else replace(record.decode(obj), raw={})
+        meta = obj["metadata"]
+        name = meta["name"]
+        rec, history = None, ""
+        if kind != "DELETED":
+            # Every agent sees every Lease change of its queue: judge it without decoding its
+            # history (only a claim writes that back, so it is decoded for candidates only) or
+            # its result (a closed Lease is never claimed), and keep no raw object.
+            annotations = dict(meta.get("annotations") or {})
+            history = annotations.pop(record.ANN_HISTORY, "")
+            annotations.pop(record.ANN_RESULT, None)
+            rec = replace(record.decode({"metadata": {**meta, "annotations": annotations, "managedFields": None},
+                                         "spec": obj.get("spec", {})}), raw={})
         with self._changed:
             if rec is None or (rec.state == record.CLOSED and name not in self._tasks):
                 # A closed Lease of a task we do not watch is of no use: its Task is finished
                 # and has left the phase-filtered Task watch (which is synced first).
                 self._leases.pop(name, None)
+                self._histories.pop(name, None)
             else:
                 self._leases[name] = rec
+                if history and rec.state != record.CLOSED:
+                    self._histories[name] = history
+                else:
+                    self._histories.pop(name, None)
             self._judge(name, timestamps.now_utc())
+
+    def _with_history(self, name: str) -> LeaseRecord | None:
+        """Caller holds the lock. The Lease of candidate `name`, whole again for the claim's write."""
+        rec = self._leases.get(name)
+        text = self._histories.get(name)
+        if rec is None or not text:
+            return rec
+        return replace(rec, history=tuple(models.Attempt.model_validate(a) for a in json.loads(text)))
 
     def _judge(self, name: str, now: datetime) -> None:
         """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable."""

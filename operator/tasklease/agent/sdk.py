@@ -33,8 +33,8 @@ from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.protocol import record
-from tasklease.agent.discovery import Candidate, QueueView, task_selector
-from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.agent.discovery import Candidate, QueueView, task_selector, weight
+from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,12 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
+_SPREAD_S = 0.1  # the longest an idle agent woken with others holds back (by its weight)
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _STOP_CHECK_S = 0.5
 _FINISH_TRIES = 3
-_CLI_PAGE = 100  # Tasks per page read by the one-shot claim
+_CLI_PAGE = 50  # Tasks per page read by the one-shot claim
+_DEFAULT_PRIORITY = int(models.TaskSpec.model_fields["priority"].default)
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,13 @@ def _interrupt_thread(thread: threading.Thread) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(errors.LostLease))
 
 
+def _rank(task: JSON) -> tuple[int, str, str]:
+    """Best first: higher priority, then older."""
+    meta = task["metadata"]
+    return (-int((task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)), meta.get("creationTimestamp", ""),
+            meta["name"])
+
+
 class Agent:
     """Claims tasks for one identity. Thread-safe; one QueueView (two watches) per queue."""
 
@@ -327,11 +336,23 @@ class Agent:
         view = self.watch(queue)
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
+        woken = False
         while True:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
             candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
+            if woken and candidates:
+                # Woken with the rest of an idle fleet (say, by one new task): hold back by our
+                # weight for the best candidate, so that the fleet's favourite tries first and
+                # the others see it held instead of racing it. Busy agents never wait here.
+                pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name))
+                if stop is None:
+                    time.sleep(pause)
+                elif stop.wait(pause):
+                    raise errors.NothingToClaim("stopped")
+                candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
+            woken = False
             claimed, lost = self._try(view, candidates, interrupt=interrupt)
             if claimed is not None:
                 return claimed
@@ -353,6 +374,7 @@ class Agent:
             if stop is not None:
                 wait = min(wait, _STOP_CHECK_S)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
+            woken = True
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
         """One look, no watch, for the stateless CLI: the queue's open Tasks are read a page at a
@@ -362,11 +384,11 @@ class Agent:
         creating its Lease, any other after reading its Lease."""
         for page in self.kube.list_pages(TASKS, namespace=self.namespace, field_selector=task_selector(queue),
                                          limit=_CLI_PAGE):
-            views = sorted((TaskView.of(t) for t in page.get("items", [])),
-                           key=lambda t: (-t.spec.priority, t.created, t.name))
-            for task in views:
-                if task.status_phase == models.Phase.RUNNING.value:
+            # Ranked from the raw objects: only the ones tried are validated into TaskViews.
+            for obj in sorted(page.get("items", []), key=_rank):
+                if (obj.get("status") or {}).get("phase") == models.Phase.RUNNING.value:
                     continue
+                task = TaskView.of(obj)
                 rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
                 for _ in range(2):
                     try:
