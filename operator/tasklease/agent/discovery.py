@@ -26,6 +26,7 @@ from tasklease.protocol import LeaseRecord, TaskView, record
 from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]
+_SPREAD_PER_HOLDER = 8
 
 
 def task_selector(queue: str) -> str:
@@ -122,6 +123,7 @@ class QueueView:
         self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
         self._index = CandidateIndex()
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
+        self._held: set[str] = set()  # open tasks whose Lease is held: about how many agents are at work
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
@@ -151,10 +153,16 @@ class QueueView:
             r.stop()
 
     def choose(self, holder: str, now: datetime, *, window: int) -> list[Candidate]:
-        """What `holder` should try now, best first: the `window` oldest claimable tasks of the
-        highest priority band, in `holder`'s rendezvous order. Empty when nothing is claimable."""
+        """What `holder` should try now, best first: the oldest claimable tasks of the highest
+        priority band, in `holder`'s rendezvous order. Empty when nothing is claimable.
+
+        How many of the oldest: `window`, or more with many agents at work. A task another
+        agent has just claimed still looks claimable here until its Lease arrives; the more
+        agents claim meanwhile, the wider the window must be for such a task to be rarely
+        our favourite (`_SPREAD_PER_HOLDER` per lease held in the queue)."""
         with self._changed:
             self._release_due(now)
+            window = max(window, _SPREAD_PER_HOLDER * len(self._held))
             while True:
                 names = self._index.best(window)
                 if not names:
@@ -247,10 +255,14 @@ class QueueView:
     def _judge(self, name: str, now: datetime) -> None:
         """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable."""
         task = self._tasks.get(name)
+        rec = self._leases.get(name)
+        if task is not None and rec is not None and rec.state == record.HELD:
+            self._held.add(name)
+        else:
+            self._held.discard(name)
         if task is None:
             self._index.discard(name)
             return
-        rec = self._leases.get(name)
         if name in self._lost:
             if self._lost[name] == (rec.resource_version if rec else ""):
                 self._index.discard(name)
