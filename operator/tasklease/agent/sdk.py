@@ -19,7 +19,6 @@ import ctypes
 import json
 import logging
 import os
-import random
 import signal
 import socket
 import threading
@@ -45,6 +44,7 @@ _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
 _SPREAD_S = 0.1  # the longest an idle agent woken with others holds back (by its weight)
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
+_TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
 _FINISH_TRIES = 3
 _CLI_PAGE = 50  # Tasks per page read by the one-shot claim
@@ -295,13 +295,12 @@ class Agent:
     """Claims tasks for one identity. Thread-safe; one QueueView (two watches) per queue."""
 
     def __init__(self, kube: Kube, *, namespace: str | None = None, identity: Identity | None = None,
-                 best_of: int = 32, rng: random.Random | None = None) -> None:
+                 best_of: int = 32) -> None:
         self.kube = kube
         self.namespace = namespace or kube.namespace
         self.identity = identity or Identity.from_environment()
         self.protocol = Protocol(kube)
         self.best_of = best_of
-        self.rng = rng or random.Random()
         self._views: dict[str, QueueView] = {}
         self._views_lock = threading.Lock()
 
@@ -452,7 +451,7 @@ class Agent:
              interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:
         """Claim the first candidate we can, in order; also returns the names whose race we lost."""
         lost = []
-        for task, rec in candidates:
+        for task, rec in candidates[:_TRIES_PER_LOOK]:
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.NotClaimable):
