@@ -135,10 +135,15 @@ class QueueView:
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
+        """Wait until both watches have their first list. `timeout_s` bounds a silence, not a
+        long list: every page that arrives (a large queue) gives it `timeout_s` more."""
         deadline = time.monotonic() + timeout_s
         for r in self._reflectors:  # Tasks first: a Lease is judged with its Task
             r.start()
+            pages = 0
             while not r.synced.wait(0.1):
+                if r.pages != pages:
+                    pages, deadline = r.pages, time.monotonic() + timeout_s
                 # Refusals are final (RBAC, a missing CRD); a flaky network gets until the deadline.
                 final = r.error is not None and not isinstance(r.error, (errors.Unreachable, errors.ServerError))
                 if final or time.monotonic() > deadline:

@@ -106,16 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     _note(f"tasklease bench on {res['machine']['cpu_model']} ({res['machine']['nproc']} CPUs), "
           f"Kubernetes {state.version} on 127.0.0.1")
     counts = [int(n) for n in args.agents.split(",")]
+
+    def note(text: str) -> None:
+        """A section starts: what is measured so far is on disk, whatever happens next."""
+        out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+        _note(text)
     space = functools.partial(_in_namespace, kubeconfig)
 
-    _note("floors: one conditional PUT, GET + PUT")
+    note("floors: one conditional PUT, GET + PUT")
     res.update(space(_floors))
-    _note("peers: Python LeaderElection, client-go leaderelection")
+    note("peers: Python LeaderElection, client-go leaderelection")
     res["python_le_p50_s"] = space(_python_le)
     res["client_go_p50_s"] = space(functools.partial(_client_go, kubeconfig=kubeconfig))
     res["cases"] = {}
     for n in counts:
-        _note(f"throughput at {n} agents: raw floor, then the SDK ({args.tasks} tasks)")
+        note(f"throughput at {n} agents: raw floor, then the SDK ({args.tasks} tasks)")
         raw = space(functools.partial(_run_workers, "raw", kubeconfig=kubeconfig, workers=n, tasks=args.tasks))
         sdk = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
                                       drain=args.tasks))
@@ -129,26 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     res["claim_vs_client_go"] = first["p50"] / res["client_go_p50_s"] if res["client_go_p50_s"] else None
     res["claim_vs_python_le"] = first["p50"] / res["python_le_p50_s"]
 
-    _note("renewals: idle agents beside 40 held, renewing leases")
+    note("renewals: idle agents beside 40 held, renewing leases")
     res.update(space(functools.partial(_renewals, kubeconfig=kubeconfig)))
-    _note("operator on: 1000 tasks at 100 tasks/s, 8 agents")
+    note("operator on: 1000 tasks at 100 tasks/s, 8 agents")
     res.update(space(functools.partial(_operator_flow, kubeconfig=kubeconfig)))
-    _note("recovery after SIGKILL: lease expiry, then the Pod-deletion fast path")
+    note("recovery after SIGKILL: lease expiry, then the Pod-deletion fast path")
     for key, fast in (("requeue_after_kill", False), ("requeue_after_pod_delete", True)):
         times = space(functools.partial(_bench_recovery, kubeconfig=kubeconfig, kills=args.kills,
                                         pod_fast_path=fast))
         res[f"{key}_max_s"], res[f"{key}_median_s"] = max(times), statistics.median(times)
-    _note("etcd alone: sequential writes with and without fsync")
+    note("etcd alone: sequential writes with and without fsync")
     res.update(_etcd_fsync())
 
-    _note(f"one-shot claim and operator memory at {args.cli_depth} open tasks")
+    note(f"one-shot claim and operator memory at {args.cli_depth} open tasks")
     res.update(space(functools.partial(_cli_and_operator_at_depth, kubeconfig=kubeconfig, depth=args.cli_depth,
                                        suffix=_k(args.cli_depth))))
     drain_n = 8 if 8 in counts else counts[-1]
     base_rate = res["cases"][drain_n]["sdk"]["rate"]
     depths = [args.depth] + ([100000] if args.full else [])
     for depth in depths:
-        _note(f"drain with {depth} open tasks, {drain_n} agents (creating them first)")
+        note(f"drain with {depth} open tasks, {drain_n} agents (creating them first)")
         deep = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=drain_n, depth=depth,
                                        drain=args.tasks))
         res[f"drain_{_k(depth)}_vs_500"] = deep["rate"] / base_rate
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         res[f"agent_sync_s_{_k(depth)}"] = deep["sync_s"]
         res["cases"][f"depth-{depth}"] = deep
     if args.full:
-        _note("100,000 tasks with the operator on: its memory and backlog")
+        note("100,000 tasks with the operator on: its memory and backlog")
         res.update(space(functools.partial(_cli_and_operator_at_depth, kubeconfig=kubeconfig, depth=100000,
                                            suffix="100k", claims=0)))
     res["runtime_s"] = time.monotonic() - began
@@ -257,21 +262,27 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
              for i in range(workers)]
     sync = []
-    for proc in procs:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
-        if not line.startswith("ready"):
-            raise RuntimeError(f"bench worker ({mode}) did not start")
-        sync.append(float(line.split()[1]))
-    started = time.time()
-    go.touch()
-    if on_go is not None:
-        on_go()
     reports = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=3600)
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    go.unlink()
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().strip()
+            if not line.startswith("ready"):
+                raise RuntimeError(f"bench worker ({mode}) did not start")
+            sync.append(float(line.split()[1]))
+        started = time.time()
+        go.touch()
+        if on_go is not None:
+            on_go()
+        for proc in procs:
+            out, _ = proc.communicate(timeout=3600)
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        go.unlink(missing_ok=True)
+        for proc in procs:  # ours: a worker left waiting for `go` would wait forever
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     done = sum(r["done"] for r in reports)
     if mode != "idle" and done < tasks:
         raise RuntimeError(f"bench ({mode}): {done} of {tasks} tasks done")

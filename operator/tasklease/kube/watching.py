@@ -45,6 +45,7 @@ class Reflector:
         self.error: Exception | None = None  # the last failure, until the next success
         self.lists = 0  # full LISTs made: one at start, one more per 410 Gone
         self.watches = 0  # watch requests made: one more each time a stream ends
+        self.pages = 0  # LIST pages received: a long first list shows its progress here
         self._stop = threading.Event()
         self._rv = ""
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
@@ -84,6 +85,7 @@ class Reflector:
                 self._keep(name, obj)
                 self._deliver("ADDED", obj)
             rv = page["metadata"]["resourceVersion"]  # every page carries the list's snapshot version
+            self.pages += 1
         self.lists += 1
         for name in set(self.store) - seen:
             self._deliver("DELETED", self.store.pop(name))
