@@ -6,7 +6,7 @@ import argparse
 
 from tasklease.operator.expiry import DEFAULT_GRACE_S
 
-DEFAULT_COALESCE_S = 0.5  # the reconciler's default too (`Reconciler.coalesce_s`)
+DEFAULT_COALESCE_S = 0.5  # `Reconciler.coalesce_s` for the command; the class itself coalesces nothing unless told
 
 
 def add_operator_arguments(p: argparse.ArgumentParser) -> None:
