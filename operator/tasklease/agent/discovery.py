@@ -186,6 +186,11 @@ class QueueView:
         with self._changed:
             return len(self._index)
 
+    def held_count(self) -> int:
+        """Open tasks whose Lease is held: about how many agents are at work in this queue."""
+        with self._changed:
+            return len(self._held)
+
     def next_not_before(self) -> datetime | None:
         """The earliest backoff still running among open tasks: when to look again without an event."""
         with self._changed:

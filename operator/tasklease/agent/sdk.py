@@ -42,7 +42,7 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
-_SPREAD_S = 0.1  # the longest an idle agent woken with others holds back (by its weight)
+_SPREAD_S = 0.1  # the longest an agent facing a crowd holds back (by its weight)
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
@@ -341,10 +341,11 @@ class Agent:
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
             candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
-            if woken and candidates:
-                # Woken with the rest of an idle fleet (say, by one new task): hold back by our
-                # weight for the best candidate, so that the fleet's favourite tries first and
-                # the others see it held instead of racing it. Busy agents never wait here.
+            if candidates and (woken or len(candidates) <= view.held_count()):
+                # Woken with the rest of an idle fleet (say, by one new task), or fewer
+                # candidates than agents at work: hold back by our weight for the best one, so
+                # that the fleet's favourite tries first and the others see it held instead of
+                # racing it. With a backlog (more candidates than agents) nobody waits here.
                 pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name))
                 if stop is None:
                     time.sleep(pause)
