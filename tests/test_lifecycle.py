@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
+from tasklease.agent import Agent
 from tasklease.api import timestamps
 from tasklease.kube import EVENTS, LEASES, TASKS, Kube
 from tasklease.protocol import record
@@ -104,6 +105,20 @@ def test_a_delayed_task_starts_no_earlier_than_its_not_before(
     assert agent.wait(90) == 0, agent.output()
     rec = record.decode(kube.get(LEASES, "later"))
     assert rec.history[0].claimed_at is not None and rec.history[0].claimed_at >= start
+
+
+def test_without_the_operator_a_waiting_agent_wakes_for_a_delayed_start(kube: Kube) -> None:
+    """No event arrives when notBefore passes: the agent's own index must wake it (an agent
+    with nothing to wait for sleeps a minute between looks)."""
+    start = timestamps.now_utc() + timedelta(seconds=3)
+    make_task(kube, "soon", queue="soon", notBefore=timestamps.format_time(start))
+    agent = Agent(kube)
+    try:
+        with agent.claim("soon", timeout=30) as task:
+            assert timestamps.now_utc() >= start
+            task.complete("")
+    finally:
+        agent.close()
 
 
 def test_the_holder_stops_at_once_when_its_task_is_cancelled_or_deleted(

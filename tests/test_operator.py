@@ -61,8 +61,9 @@ def test_a_killed_agents_task_is_requeued_within_the_lease_duration_and_complete
     assert operator.metric("tasklease_expirations_total") == 1
     assert operator.metric("tasklease_time_to_requeue_seconds_count") == 1
     reasons = _event_reasons(kube, "orphaned")
-    for reason in ("Claimed", "Expired", "Requeued", "Succeeded"):
+    for reason in ("Expired", "Requeued"):  # abnormal: always an Event
         assert reason in reasons
+    assert "Claimed" not in reasons and "Succeeded" not in reasons  # happy path: only with --events=all
     assert "Expired" in cluster.kubectl("describe", "task", "orphaned", "-n", namespace).stdout
 
 
@@ -241,3 +242,33 @@ def test_a_finished_task_stays_finished_even_if_its_lease_is_deleted_by_hand(
             pass
         time.sleep(0.2)
     agent.close()
+
+
+def test_renewals_leave_the_task_alone_and_happy_events_are_posted_on_request(
+        cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator],
+        tmp_path: Path) -> None:
+    operator_factory("--no-leader-elect", "--events=all")
+    make_task(kube, "steady", queue="beat", leaseDurationSeconds=5)
+    holder, _ = _hold(cluster.namespaced_kubeconfig(namespace, tmp_path), "beat", tmp_path / "holder.log", "beater")
+    try:
+        wait_for(lambda: _phase(kube, "steady") == "Running", message="status Running")
+        time.sleep(1)  # the coalescing window that projected Running closes
+        task_version = kube.get(TASKS, "steady")["metadata"]["resourceVersion"]
+        versions = {_lease(kube, "steady").resource_version}
+        wait_for(lambda: versions.add(_lease(kube, "steady").resource_version) or len(versions) >= 4,
+                 interval=0.2, message="three renewals")
+        # Each renewal changed the Lease and nothing else: no status write per heartbeat.
+        assert kube.get(TASKS, "steady")["metadata"]["resourceVersion"] == task_version
+    finally:
+        holder.stop()
+    wait_for(lambda: "Claimed" in _event_reasons(kube, "steady"), message="the Claimed Event (--events=all)")
+
+
+def test_the_operator_is_ready_only_once_its_backlog_is_projected(
+        cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator]) -> None:
+    for i in range(150):
+        make_task(kube, f"backlog-{i:03d}", queue="backlog")
+    op = operator_factory("--no-leader-elect", ready_as=None)
+    wait_for(lambda: op.get("/readyz")[0] == 200, timeout=120, interval=0.05, message="the operator to be ready")
+    unprojected = [t["metadata"]["name"] for t in kube.list(TASKS)["items"] if not (t.get("status") or {}).get("phase")]
+    assert unprojected == []

@@ -33,3 +33,20 @@ def test_a_watch_that_keeps_ending_resumes_from_its_last_version_without_missing
     assert sorted(seen) == sorted(f"ADDED l-{i:02d}" for i in range(40))  # each once, none missed
     assert reflector.lists == 1  # resumed from resourceVersions, never listed again
     assert reflector.watches >= 5
+
+
+def test_the_initial_list_comes_in_pages_and_misses_nothing(kube: Kube) -> None:
+    for i in range(25):
+        kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                             "metadata": {"name": f"p-{i:02d}", "labels": {"test": "pages"}}, "spec": {}})
+    pages = list(kube.list_pages(LEASES, label_selector="test=pages", limit=10))
+    assert [len(p["items"]) for p in pages] == [10, 10, 5]
+    seen: list[str] = []
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=lambda kind, obj: seen.append(
+        f"{kind} {obj['metadata']['name']}"), label_selector="test=pages", page_size=10, keep_objects=False)
+    reflector.start()
+    assert reflector.synced.wait(30)
+    reflector.stop()
+    assert sorted(seen) == sorted(f"ADDED p-{i:02d}" for i in range(25))
+    assert set(reflector.store) == {f"p-{i:02d}" for i in range(25)}
+    assert reflector.store["p-00"]["metadata"].keys() == {"name", "namespace", "resourceVersion"}  # slim

@@ -1,23 +1,32 @@
-"""What an agent can claim in one queue, kept current by two server-filtered watches.
+"""What an agent can claim in one queue: a candidate index kept current by two server-filtered watches.
 
 Tasks are selected by the API server on `spec.queue` (a CRD selectable field) and Leases
-by the `tasklease.dev/queue` label, so an agent downloads only its own queue. No polling:
-a waiting agent sleeps until a watch event arrives or the earliest backoff runs out.
+by the `tasklease.dev/queue` label, so an agent downloads only its own queue. Each watch
+event re-judges one task with the one claimability rule (`rules.blocker`) and updates the
+index in O(log n): an event that cannot make anything claimable (a held lease's renewal)
+is a dictionary update and wakes nobody. No polling: a waiting agent sleeps until
+something becomes claimable or the earliest backoff runs out.
 """
 
 from __future__ import annotations
 
-import random
+import bisect
+import hashlib
+import heapq
+import json
 import threading
 import time
+from dataclasses import replace
 from datetime import datetime
 
 from tasklease.api import errors, models, timestamps
-from tasklease.protocol import record
 from tasklease.kube import JSON, LEASES, TASKS, Kube
-from tasklease.protocol import LeaseRecord, TaskView, why_not_claimable
 from tasklease.kube.watching import Reflector
+from tasklease.protocol import LeaseRecord, TaskView, record
+from tasklease.protocol.rules import Blocker, blocker
 
+Candidate = tuple[TaskView, LeaseRecord | None]
+_SPREAD_PER_HOLDER = 8
 
 
 def task_selector(queue: str) -> str:
@@ -31,36 +40,110 @@ def lease_selector(queue: str) -> str:
     return f"{record.LABEL_QUEUE}={queue}"
 
 
-def claimable(tasks: dict[str, TaskView], leases: dict[str, LeaseRecord],
-              now: datetime) -> list[tuple[TaskView, LeaseRecord | None]]:
-    """The tasks that may be claimed now, each with its Lease (None: never claimed)."""
-    return [(t, leases.get(name)) for name, t in tasks.items()
-            if why_not_claimable(t, leases.get(name), now) is None]
+def weight(holder: str, name: str) -> float:
+    """`holder`'s rendezvous weight for task `name`, in [0, 1): the same on every look."""
+    digest = hashlib.blake2b(f"{holder}\0{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def rendezvous(holder: str, names: list[str]) -> list[str]:
+    """`names` in `holder`'s own order (highest weight first): agents looking at the same
+    candidates prefer different ones, so they rarely race for the same task."""
+    return sorted(names, key=lambda name: weight(holder, name), reverse=True)
+
+
+class CandidateIndex:
+    """Claimable task names by priority band, oldest first within a band.
+
+    One heap per band with lazy deletion: adding is O(log n), removing is O(1) (the entry
+    goes stale and is dropped when it reaches the top), and the best `window` of the
+    highest non-empty band cost O(window · log n)."""
+
+    def __init__(self) -> None:
+        self._bands: dict[int, list[tuple[str, str]]] = {}  # priority → heap of (created, name)
+        self._priorities: list[int] = []  # ascending; the bands that may hold live entries
+        self._members: dict[str, tuple[int, str]] = {}  # name → (priority, created) of its live entry
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._members
+
+    def add(self, name: str, priority: int, created: str) -> bool:
+        """True when `name` was not a candidate before."""
+        before = self._members.get(name)
+        if before == (priority, created):
+            return False
+        self._members[name] = (priority, created)
+        band = self._bands.get(priority)
+        if band is None:
+            band = self._bands[priority] = []
+            bisect.insort(self._priorities, priority)
+        heapq.heappush(band, (created, name))
+        if len(band) > 64 and len(band) > 4 * len(self._members):
+            self._compact(priority)
+        return before is None
+
+    def discard(self, name: str) -> None:
+        self._members.pop(name, None)
+
+    def best(self, window: int) -> list[str]:
+        """The `window` oldest candidates of the highest band that has any (strict priority)."""
+        while self._priorities:
+            priority = self._priorities[-1]
+            band = self._bands[priority]
+            found: list[tuple[str, str]] = []
+            while band and len(found) < window:
+                entry = heapq.heappop(band)
+                if self._members.get(entry[1]) == (priority, entry[0]) and entry not in found:
+                    found.append(entry)
+            for entry in found:
+                heapq.heappush(band, entry)
+            if found:
+                return [name for _, name in found]
+            del self._bands[priority]
+            self._priorities.pop()
+        return []
+
+    def _compact(self, priority: int) -> None:
+        band = [(created, name) for name, (p, created) in self._members.items() if p == priority]
+        heapq.heapify(band)
+        self._bands[priority] = band
 
 
 class QueueView:
-    """A live, thread-safe picture of one queue's open tasks and their Leases."""
+    """A live, thread-safe picture of one queue's open tasks, their Leases and which are claimable."""
 
     def __init__(self, kube: Kube, *, namespace: str, queue: str) -> None:
         self.queue = queue
         self._tasks: dict[str, TaskView] = {}
-        self._leases: dict[str, LeaseRecord] = {}
+        self._leases: dict[str, LeaseRecord] = {}  # without their history: see _on_lease
+        self._histories: dict[str, str] = {}  # name → the Lease's history annotation, as sent
         self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
+        self._index = CandidateIndex()
+        self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
+        self._held: set[str] = set()  # open tasks whose Lease is held: about how many agents are at work
         self._changed = threading.Condition()
-        self._generation = 0
+        self._generation = 0  # moves only when something may have become claimable
+        self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
-                      listener=self._on_task),
+                      listener=self._on_task, keep_objects=False),
             Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
-                      listener=self._on_lease),
+                      listener=self._on_lease, keep_objects=False),
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
-        for r in self._reflectors:
-            r.start()
+        """Wait until both watches have their first list. `timeout_s` bounds a silence, not a
+        long list: every page that arrives (a large queue) gives it `timeout_s` more."""
         deadline = time.monotonic() + timeout_s
-        for r in self._reflectors:
+        for r in self._reflectors:  # Tasks first: a Lease is judged with its Task
+            r.start()
+            pages = 0
             while not r.synced.wait(0.1):
+                if r.pages != pages:
+                    pages, deadline = r.pages, time.monotonic() + timeout_s
                 # Refusals are final (RBAC, a missing CRD); a flaky network gets until the deadline.
                 final = r.error is not None and not isinstance(r.error, (errors.Unreachable, errors.ServerError))
                 if final or time.monotonic() > deadline:
@@ -74,19 +157,47 @@ class QueueView:
         for r in self._reflectors:
             r.stop()
 
-    def candidates(self, now: datetime) -> list[tuple[TaskView, LeaseRecord | None]]:
+    def choose(self, holder: str, now: datetime, *, window: int) -> list[Candidate]:
+        """What `holder` should try now, best first: the oldest claimable tasks of the highest
+        priority band, in `holder`'s rendezvous order. Empty when nothing is claimable.
+
+        How many of the oldest: `window`, or more with many agents at work. A task another
+        agent has just claimed still looks claimable here until its Lease arrives; the more
+        agents claim meanwhile, the wider the window must be for such a task to be rarely
+        our favourite (`_SPREAD_PER_HOLDER` per lease held in the queue)."""
         with self._changed:
-            fresh = {name: t for name, t in self._tasks.items() if not self._recently_lost(name)}
-            return claimable(fresh, self._leases, now)
+            self._release_due(now)
+            window = max(window, _SPREAD_PER_HOLDER * len(self._held))
+            while True:
+                names = self._index.best(window)
+                if not names:
+                    return []
+                ready = []
+                for name in names:
+                    task, rec = self._tasks[name], self._leases.get(name)
+                    if blocker(task, rec, now) is None:
+                        ready.append(name)
+                    else:
+                        self._judge(name, now)  # its deadline passed since it was indexed
+                if ready:
+                    return [(self._tasks[n], self._with_history(n)) for n in rendezvous(holder, ready)]
+
+    def claimable_count(self) -> int:
+        with self._changed:
+            return len(self._index)
+
+    def held_count(self) -> int:
+        """Open tasks whose Lease is held: about how many agents are at work in this queue."""
+        with self._changed:
+            return len(self._held)
 
     def next_not_before(self) -> datetime | None:
-        """The earliest backoff still running among open tasks: when to look again without an event."""
-        now = timestamps.now_utc()
+        """The earliest backoff or delayed start still running among open tasks: when to look
+        again without an event."""
         with self._changed:
-            times = [r.not_before for name, r in self._leases.items()
-                     if r.not_before is not None and r.not_before > now and r.state == record.FREE
-                     and name in self._tasks]
-        return min(times) if times else None
+            while self._backoffs and not self._waiting(*self._backoffs[0]):
+                heapq.heappop(self._backoffs)
+            return self._backoffs[0][0] if self._backoffs else None
 
     def generation(self) -> int:
         with self._changed:
@@ -101,47 +212,102 @@ class QueueView:
         with self._changed:
             current = self._leases.get(name)
             self._lost[name] = current.resource_version if current else ""
+            self._index.discard(name)
 
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]
+        view = None if kind == "DELETED" else TaskView.of(obj)
         with self._changed:
-            if kind == "DELETED":
+            if view is None:
                 # Finished (it left the phase selector) or deleted: its Lease no longer matters.
                 self._tasks.pop(name, None)
                 self._leases.pop(name, None)
+                self._histories.pop(name, None)
+                self._lost.pop(name, None)
             else:
-                self._tasks[name] = TaskView.of(obj)
-            self._bump()
+                self._tasks[name] = view
+            self._judge(name, timestamps.now_utc())
 
     def _on_lease(self, kind: str, obj: JSON) -> None:
-        rec = record.decode(obj)
+        meta = obj["metadata"]
+        name = meta["name"]
+        rec, history = None, ""
+        if kind != "DELETED":
+            # Every agent sees every Lease change of its queue: judge it without decoding its
+            # history (only a claim writes that back, so it is decoded for candidates only) or
+            # its result (a closed Lease is never claimed), and keep no raw object.
+            annotations = dict(meta.get("annotations") or {})
+            history = annotations.pop(record.ANN_HISTORY, "")
+            annotations.pop(record.ANN_RESULT, None)
+            rec = replace(record.decode({"metadata": {**meta, "annotations": annotations, "managedFields": None},
+                                         "spec": obj.get("spec", {})}), raw={})
         with self._changed:
-            if kind == "DELETED":
-                self._leases.pop(rec.name, None)
+            if rec is None or (rec.state == record.CLOSED and name not in self._tasks):
+                # A closed Lease of a task we do not watch is of no use: its Task is finished
+                # and has left the phase-filtered Task watch (which is synced first).
+                self._leases.pop(name, None)
+                self._histories.pop(name, None)
             else:
-                self._leases[rec.name] = rec
-            self._bump()
+                self._leases[name] = rec
+                if history and rec.state != record.CLOSED:
+                    self._histories[name] = history
+                else:
+                    self._histories.pop(name, None)
+            self._judge(name, timestamps.now_utc())
 
-    def _recently_lost(self, name: str) -> bool:
-        if name not in self._lost:
+    def _with_history(self, name: str) -> LeaseRecord | None:
+        """Caller holds the lock. The Lease of candidate `name`, whole again for the claim's write."""
+        rec = self._leases.get(name)
+        text = self._histories.get(name)
+        if rec is None or not text:
+            return rec
+        return replace(rec, history=tuple(models.Attempt.model_validate(a) for a in json.loads(text)))
+
+    def _judge(self, name: str, now: datetime) -> None:
+        """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable."""
+        task = self._tasks.get(name)
+        rec = self._leases.get(name)
+        if task is not None and rec is not None and rec.state == record.HELD:
+            self._held.add(name)
+        else:
+            self._held.discard(name)
+        if task is None:
+            self._index.discard(name)
+            return
+        if name in self._lost:
+            if self._lost[name] == (rec.resource_version if rec else ""):
+                self._index.discard(name)
+                return
+            del self._lost[name]
+        found = blocker(task, rec, now)
+        if found is None:
+            if self._index.add(name, task.spec.priority, task.created):
+                self._bump()
+            return
+        self._index.discard(name)
+        until = task.spec.not_before if found is Blocker.SCHEDULED else \
+            rec.not_before if found is Blocker.BACKING_OFF and rec is not None else None
+        if until is not None:
+            earliest = self._backoffs[0][0] if self._backoffs else None
+            heapq.heappush(self._backoffs, (until, name))
+            if earliest is None or until < earliest:
+                self._bump()  # a waiting claimer must wake up sooner than it planned
+
+    def _release_due(self, now: datetime) -> None:
+        """Caller holds the lock. Tasks whose backoff ended are judged again."""
+        while self._backoffs and self._backoffs[0][0] <= now:
+            _, name = heapq.heappop(self._backoffs)
+            self._judge(name, now)
+
+    def _waiting(self, until: datetime, name: str) -> bool:
+        """Caller holds the lock. Is `name` still backing off, or scheduled, until `until`?"""
+        task, rec = self._tasks.get(name), self._leases.get(name)
+        if task is None:
             return False
-        current = self._leases.get(name)
-        if (current.resource_version if current else "") == self._lost[name]:
-            return True
-        del self._lost[name]
-        return False
+        return task.spec.not_before == until or (
+            rec is not None and rec.not_before == until and rec.state == record.FREE)
 
     def _bump(self) -> None:
         self._generation += 1
+        self.wakeups += 1
         self._changed.notify_all()
-
-
-def pick(candidates: list[tuple[TaskView, LeaseRecord | None]], *, best_of: int,
-         rng: random.Random) -> list[tuple[TaskView, LeaseRecord | None]]:
-    """The few to try now: the `best_of` highest-priority (then oldest) candidates, shuffled,
-    so that a fleet woken by the same event does not race for the same task. The rest wait
-    for the next look, when the winners' Leases have arrived through the watch."""
-    ranked = sorted(candidates, key=lambda c: (-c[0].spec.priority, c[0].created, c[0].name))
-    head = ranked[:best_of]
-    rng.shuffle(head)
-    return head

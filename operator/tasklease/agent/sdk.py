@@ -19,7 +19,6 @@ import ctypes
 import json
 import logging
 import os
-import random
 import signal
 import socket
 import threading
@@ -31,12 +30,12 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from tasklease.api import errors, timestamps
+from tasklease.api import errors, models, timestamps
 from tasklease.protocol import record
 from tasklease.agent.cancel import follow as follow_task
-from tasklease.agent.discovery import QueueView, claimable, pick, lease_selector, task_selector
-from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.protocol import Held, LeaseRecord, Protocol, TaskView
+from tasklease.agent.discovery import Candidate, QueueView, task_selector, weight
+from tasklease.kube import JSON, LEASES, TASKS, Kube
+from tasklease.protocol import Held, Protocol, TaskView
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +43,13 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
+_SPREAD_S = 0.1  # the longest an agent facing a crowd holds back (by its weight)
+_LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
+_TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
 _FINISH_TRIES = 3
+_CLI_PAGE = 50  # Tasks per page read by the one-shot claim
+_DEFAULT_PRIORITY = int(models.TaskSpec.model_fields["priority"].default)
 
 
 @dataclass(frozen=True)
@@ -300,17 +304,23 @@ def _interrupt_thread(thread: threading.Thread) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(errors.LostLease))
 
 
+def _rank(task: JSON) -> tuple[int, str, str]:
+    """Best first: higher priority, then older."""
+    meta = task["metadata"]
+    return (-int((task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)), meta.get("creationTimestamp", ""),
+            meta["name"])
+
+
 class Agent:
     """Claims tasks for one identity. Thread-safe; one QueueView (two watches) per queue."""
 
     def __init__(self, kube: Kube, *, namespace: str | None = None, identity: Identity | None = None,
-                 best_of: int = 32, rng: random.Random | None = None) -> None:
+                 best_of: int = 32) -> None:
         self.kube = kube
         self.namespace = namespace or kube.namespace
         self.identity = identity or Identity.from_environment()
         self.protocol = Protocol(kube)
         self.best_of = best_of
-        self.rng = rng or random.Random()
         self._views: dict[str, QueueView] = {}
         self._views_lock = threading.Lock()
 
@@ -344,20 +354,36 @@ class Agent:
         the lease is lost while inside the task's `with` block."""
         view = self.watch(queue)
         give_up = None if timeout is None else time.monotonic() + timeout
+        rounds_lost = 0
+        woken = False
         while True:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            claimed, lost = self._try(view.candidates(timestamps.now_utc()), interrupt=interrupt)
+            candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
+            if candidates and (woken or len(candidates) <= view.held_count()):
+                # Woken with the rest of an idle fleet (say, by one new task), or fewer
+                # candidates than agents at work: hold back by our weight for the best one, so
+                # that the fleet's favourite tries first and the others see it held instead of
+                # racing it. With a backlog (more candidates than agents) nobody waits here.
+                pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name))
+                if stop is None:
+                    time.sleep(pause)
+                elif stop.wait(pause):
+                    raise errors.NothingToClaim("stopped")
+                candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
+            woken = False
+            claimed, lost = self._try(view, candidates, interrupt=interrupt)
             if claimed is not None:
                 return claimed
-            for name in lost:
-                view.mark_lost(name)
             wait = 60.0
             if lost:
-                # Every pick lost a race: our picture is behind. Let the watch catch up (the
+                rounds_lost += 1
+                if rounds_lost < _LOST_ROUNDS and view.claimable_count():
+                    continue  # the lost ones left the index: the next look offers others
+                # Round after round lost: our picture is behind. Let the watch catch up (the
                 # winners' writes are on their way) instead of spinning on stale candidates.
-                since, wait = view.generation(), _CATCH_UP_S
+                rounds_lost, wait = 0, _CATCH_UP_S
             if give_up is not None:
                 wait = min(wait, give_up - time.monotonic())
                 if wait <= 0:
@@ -368,18 +394,35 @@ class Agent:
             if stop is not None:
                 wait = min(wait, _STOP_CHECK_S)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
+            woken = True
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
-        """One look (two LISTs), no watch: for the stateless CLI."""
-        tasks = self.kube.list(TASKS, namespace=self.namespace, field_selector=task_selector(queue))["items"]
-        leases = {o["metadata"]["name"]: record.decode(o) for o in
-                  self.kube.list(LEASES, namespace=self.namespace, label_selector=lease_selector(queue))["items"]}
-        candidates = claimable({t["metadata"]["name"]: TaskView.of(t) for t in tasks}, leases, timestamps.now_utc())
-        while candidates:
-            claimed, lost = self._try(candidates, interrupt=interrupt)
-            if claimed is not None:
-                return claimed
-            candidates = [c for c in candidates if c[0].name not in lost]
+        """One look, no watch, for the stateless CLI: the queue's open Tasks are read a page at a
+        time, best first within a page, and the first one that can be claimed is; the rest of
+        the queue is never read. A task projected Running is skipped without a read (a task
+        freed a moment ago is found by the next claim); a never-claimed one is claimed by
+        creating its Lease, any other after reading its Lease."""
+        for page in self.kube.list_pages(TASKS, namespace=self.namespace, field_selector=task_selector(queue),
+                                         limit=_CLI_PAGE):
+            # Ranked from the raw objects: only the ones tried are validated into TaskViews.
+            for obj in sorted(page.get("items", []), key=_rank):
+                if (obj.get("status") or {}).get("phase") == models.Phase.RUNNING.value:
+                    continue
+                task = TaskView.of(obj)
+                rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
+                for _ in range(2):
+                    try:
+                        held = self.protocol.claim(task, rec, self.identity.holder)
+                    except errors.NotClaimable:
+                        break
+                    except errors.Conflict:
+                        if rec is not None:
+                            break  # another agent won: the next task
+                        rec = self.protocol.read(task.namespace, task.name)  # it had a Lease after all
+                        if rec is None:
+                            break
+                        continue
+                    return self._claimed(task, held, interrupt=interrupt)
         raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
 
     def work(self, queue: str, handler: Callable[[ClaimedTask], Any], *, stop: threading.Event | None = None,
@@ -425,16 +468,22 @@ class Agent:
                 self._views[queue] = view
             return view
 
-    def _try(self, candidates: list[tuple[TaskView, LeaseRecord | None]], *,
+    def _try(self, view: QueueView, candidates: list[Candidate], *,
              interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:
-        """Claim one of the best candidates; also returns the names whose race we lost."""
+        """Claim the first candidate we can, in order; also returns the names whose race we lost."""
         lost = []
-        for task, rec in pick(candidates, best_of=self.best_of, rng=self.rng):
+        for task, rec in candidates[:_TRIES_PER_LOOK]:
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.NotClaimable):
-                lost.append(task.name)  # another agent won; the next pick is another task
+                lost.append(task.name)  # another agent won; the next candidate is another task
+                view.mark_lost(task.name)
                 continue
-            log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)
-            return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt), lost
+            # Ours now: not a candidate any more, even before the watch shows our write.
+            view.mark_lost(task.name)
+            return self._claimed(task, held, interrupt=interrupt), lost
         return None, lost
+
+    def _claimed(self, task: TaskView, held: Held, *, interrupt: bool) -> ClaimedTask:
+        log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)
+        return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt)

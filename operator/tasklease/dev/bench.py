@@ -1,27 +1,30 @@
-"""`make bench`: what tasklease costs and how fast it recovers, beside baselines from the same run.
+"""`make bench`: what tasklease costs at scale, beside floors and peers measured in the same run.
 
-Throughput (the same tasks, the same number of workers, no-op work):
-- baseline `mv`: the file-based claiming users came from (seed study): an atomic rename
-  per claim and per completion on a local disk. No expiry, no fencing, one machine.
-- baseline raw Lease: the API server's floor: one create (claim) and one conditional PUT
-  (complete) per task, each worker with its own share known in advance: no discovery, no
-  races, no renewal.
-- tasklease: the agent SDK (watch-based discovery, randomized choice, renewal threads).
-Lease workers are separate processes, as agents are separate pods.
-
-Cancel: how long a holder takes to hear that its task was cancelled.
-
-Recovery: agents holding a task are killed with SIGKILL; time until each task is
-claimable again, through lease expiry (the bound is lease duration + grace) beside the
-Pod-deletion fast path.
+Every figure is a ratio within one run on one control plane (the machine may be loaded):
+- floors: one conditional PUT, a GET + PUT, and raw Lease writes/s (create + PUT per task,
+  shares known in advance: no discovery, no races) at the agents' concurrency;
+- peers: the official Python `LeaderElection` + `LeaseLock`, and client-go's
+  `leaderelection` (built from the Go module proxy, QPS raised), acquiring a free Lease;
+- tasklease: SDK agents (separate processes, as agents are separate pods) at 1/4/8/16
+  agents over 500 tasks; the drain rate with 30,000 tasks open (100,000 with `--full`);
+  the one-shot claim with 10,000 open; the operator's writes per task and projection lag
+  at 100 tasks/s, its memory and backlog at 10,000 tasks; idle agents' wake-ups per
+  renewal of leases they do not hold; time to requeue after SIGKILL; how long a cancel
+  takes to reach its holder; etcd with and without fsync.
+Results are printed and written as JSON to $BENCH_OUT (default bench-results.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import concurrent.futures
 import functools
 import json
+import math
 import os
+import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -30,180 +33,329 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
+from tasklease.agent.sdk import Agent, ClaimedTask, Identity
 from tasklease.api import errors
-from tasklease.protocol import Held, record
-from tasklease.agent.sdk import Agent, Identity
-from tasklease.kube import LEASES, NAMESPACES, PODS, TASKS, Kube
+from tasklease.api.timestamps import parse_time
+from tasklease.dev import binaries
 from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig
 from tasklease.dev.crds import apply_crds
+from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKS, Kube
+from tasklease.kube.watching import Reflector
+from tasklease.protocol import Held, record
 
 T = TypeVar("T")
+Results = dict[str, Any]
+PEERS = Path(__file__).parent / "peers"
+
+# figure, JSON key, target (text), whether the measured value meets it
+TARGETS: list[tuple[str, str, str, Callable[[float], bool]]] = [
+    ("SDK tasks/s ÷ floor at 8 agents", "sdk_vs_floor_8", "≥ 0.8", lambda v: v >= 0.8),
+    ("SDK tasks/s ÷ floor at 16 agents", "sdk_vs_floor_16", "≥ 0.8", lambda v: v >= 0.8),
+    ("409s per task at 16 agents", "conflicts_per_task_16", "≤ 0.05", lambda v: v <= 0.05),
+    ("drain rate at 30k open ÷ at 500", "drain_30k_vs_500", "≥ 0.8", lambda v: v >= 0.8),
+    ("wake-ups per renewal, idle agent", "renewal_wakeups_per_idle_agent", "≈ 0", lambda v: v <= 0.01),
+    ("writes per task, operator on, happy path", "writes_per_task_operator", "≤ 3", lambda v: v <= 3),
+    ("status projection lag p99 at 100 tasks/s (s)", "projection_lag_p99_s", "≤ 2", lambda v: v <= 2),
+    ("operator RSS at 10k tasks (MB)", "operator_rss_mb_10k", "≤ 100", lambda v: v <= 100),
+    ("operator RSS at 100k tasks (MB)", "operator_rss_mb_100k", "≤ 500", lambda v: v <= 500),
+    ("agent RSS watching 100k (MB)", "agent_rss_mb_100k", "≤ 200", lambda v: v <= 200),
+    ("`tasklease claim` p50 ÷ GET+PUT, 10k open", "cli_claim_vs_floor_10k", "≤ 3", lambda v: v <= 3),
+    ("claim p50 ÷ one conditional PUT (warm)", "claim_vs_put", "≤ 1.1", lambda v: v <= 1.1),
+    ("claim p50 ÷ client-go acquire", "claim_vs_client_go", "-", lambda v: True),
+    ("claim p50 ÷ Python LeaderElection acquire", "claim_vs_python_le", "-", lambda v: True),
+    ("requeue after SIGKILL, max (s, lease 5 s)", "requeue_after_kill_max_s", "≤ 6", lambda v: v <= 6),
+    ("requeue after holder Pod deleted, max (s)", "requeue_after_pod_delete_max_s", "≈ 0", lambda v: v <= 1),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tasklease.dev.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", type=int, default=200)
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--agents", default="1,4,8,16", help="agent counts for the throughput cases")
+    parser.add_argument("--tasks", type=int, default=500, help="tasks per throughput case")
+    parser.add_argument("--depth", type=int, default=30000, help="open tasks for the drain case")
+    parser.add_argument("--cli-depth", type=int, default=10000, help="open tasks for the one-shot claim case")
+    parser.add_argument("--full", action="store_true", help="also drain 100,000 tasks with 16 agents and the "
+                        "operator on (adds about an hour on 2 cores)")
     parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
-    parser.add_argument("--worker", choices=["raw", "sdk"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["raw", "sdk", "idle"], help=argparse.SUPPRESS)
     parser.add_argument("--kubeconfig", help=argparse.SUPPRESS)
     parser.add_argument("--go", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=10.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.kubeconfig, args.go, args.index, args.tasks, args.workers)))
+        print(json.dumps(_worker(args)))
         return 0
 
     root = Path.cwd()
+    out = Path(os.environ.get("BENCH_OUT") or "bench-results.json")
+    began = time.monotonic()
     state = LocalCluster(root / ".cache" / "cluster", root / ".cache" / "kubeconfig").up()
     kubeconfig = Path(state.kubeconfig)
     apply_crds(kubeconfig=kubeconfig, folder=root / "crds")
-    print(f"tasklease bench: {args.tasks} tasks, {args.workers} workers, Kubernetes {state.version} on 127.0.0.1, "
-          f"{os.cpu_count()} CPUs\n", flush=True)
+    res: Results = {"machine": _machine(), "kubernetes": state.version, "etcd_flags": "--unsafe-no-fsync"}
+    _note(f"tasklease bench on {res['machine']['cpu_model']} ({res['machine']['nproc']} CPUs), "
+          f"Kubernetes {state.version} on 127.0.0.1")
+    counts = [int(n) for n in args.agents.split(",")]
 
-    rows = [
-        ("baseline: mv on a local disk", _bench_mv(args.tasks, args.workers)),
-        ("baseline: raw Lease create + PUT", _in_namespace(kubeconfig, functools.partial(
-            _bench_raw, kubeconfig=kubeconfig, args=args))),
-        ("tasklease agent SDK", _in_namespace(kubeconfig, functools.partial(_bench_sdk, kubeconfig=kubeconfig,
-                                                                             args=args))),
-    ]
-    print(f"{'throughput':40} {'tasks/s':>9} {'claim p50':>10} {'claim p95':>10} {'409s':>6}")
-    for name, r in rows:
-        print(f"{name:40} {r['rate']:9.1f} {_ms(r.get('p50'))} {_ms(r.get('p95'))} {r.get('conflicts', '-'):>6}")
+    def note(text: str) -> None:
+        """A section starts: what is measured so far is on disk, whatever happens next."""
+        out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+        _note(text)
+    space = functools.partial(_in_namespace, kubeconfig)
 
-    print(f"\n{'recovery after SIGKILL (lease 5 s, grace 1 s)':48} {'min':>6} {'median':>7} {'max':>6}")
-    for name, pod_fast_path in (("lease expiry (operator observed time)", False), ("holder Pod deleted", True)):
-        times = _in_namespace(kubeconfig, functools.partial(_bench_recovery, kubeconfig=kubeconfig,
-                                                            kills=args.kills, pod_fast_path=pod_fast_path))
-        print(f"{name:48} {min(times):5.1f}s {statistics.median(times):6.1f}s {max(times):5.1f}s")
-    times = _in_namespace(kubeconfig, functools.partial(_bench_cancel, rounds=args.kills))
-    print(f"\n{'cancel reaching the holder (lease 300 s)':48} {'min':>6} {'median':>7} {'max':>6}")
-    print(f"{'spec.cancel set -> holder stops':48} {min(times):5.2f}s {statistics.median(times):6.2f}s "
-          f"{max(times):5.2f}s")
+    note("floors: one conditional PUT, GET + PUT")
+    res.update(space(_floors))
+    note("peers: Python LeaderElection, client-go leaderelection")
+    res["python_le_p50_s"] = space(_python_le)
+    res["client_go_p50_s"] = space(functools.partial(_client_go, kubeconfig=kubeconfig))
+    res["cases"] = {}
+    for n in counts:
+        note(f"throughput at {n} agents: raw floor, then the SDK ({args.tasks} tasks)")
+        raw = space(functools.partial(_run_workers, "raw", kubeconfig=kubeconfig, workers=n, tasks=args.tasks))
+        sdk = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
+                                      drain=args.tasks))
+        res["cases"][n] = {"raw": raw, "sdk": sdk}
+        res[f"sdk_vs_floor_{n}"] = sdk["rate"] / raw["rate"]
+        res[f"conflicts_per_task_{n}"] = sdk["conflicts"] / args.tasks
+    first = res["cases"][counts[0]]["sdk"]
+    res["claim_p50_s"] = first["p50"]
+    res["claim_vs_put"] = first["p50"] / res["put_p50_s"]
+    res["claim_vs_get_put"] = first["p50"] / res["get_put_p50_s"]
+    res["claim_vs_client_go"] = first["p50"] / res["client_go_p50_s"] if res["client_go_p50_s"] else None
+    res["claim_vs_python_le"] = first["p50"] / res["python_le_p50_s"]
+
+    note("renewals: idle agents beside 40 held, renewing leases")
+    res.update(space(functools.partial(_renewals, kubeconfig=kubeconfig)))
+    note("operator on: 1000 tasks at 100 tasks/s, 8 agents")
+    res.update(space(functools.partial(_operator_flow, kubeconfig=kubeconfig)))
+    note("recovery after SIGKILL: lease expiry, then the Pod-deletion fast path")
+    for key, fast in (("requeue_after_kill", False), ("requeue_after_pod_delete", True)):
+        times = space(functools.partial(_bench_recovery, kubeconfig=kubeconfig, kills=args.kills,
+                                        pod_fast_path=fast))
+        res[f"{key}_max_s"], res[f"{key}_median_s"] = max(times), statistics.median(times)
+    note("cancel: spec.cancel set until its holder stops (lease 300 s)")
+    times = space(functools.partial(_bench_cancel, rounds=args.kills))
+    res["cancel_to_holder_max_s"], res["cancel_to_holder_median_s"] = max(times), statistics.median(times)
+    note("etcd alone: sequential writes with and without fsync")
+    res.update(_etcd_fsync())
+
+    note(f"one-shot claim and operator memory at {args.cli_depth} open tasks")
+    res.update(space(functools.partial(_cli_and_operator_at_depth, kubeconfig=kubeconfig, depth=args.cli_depth,
+                                       suffix=_k(args.cli_depth))))
+    drain_n = 8 if 8 in counts else counts[-1]
+    base_rate = res["cases"][drain_n]["sdk"]["rate"]
+    depths = [args.depth] + ([100000] if args.full else [])
+    for depth in depths:
+        note(f"drain with {depth} open tasks, {drain_n} agents (creating them first)")
+        deep = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=drain_n, depth=depth,
+                                       drain=args.tasks))
+        res[f"drain_{_k(depth)}_vs_500"] = deep["rate"] / base_rate
+        res[f"agent_rss_mb_{_k(depth)}"] = deep["rss_mb"]
+        res[f"agent_sync_s_{_k(depth)}"] = deep["sync_s"]
+        res["cases"][f"depth-{depth}"] = deep
+    if args.full:
+        note("100,000 tasks with the operator on: its memory and backlog")
+        res.update(space(functools.partial(_cli_and_operator_at_depth, kubeconfig=kubeconfig, depth=100000,
+                                           suffix="100k", claims=0)))
+    res["runtime_s"] = time.monotonic() - began
+    for _, key, _, _ in TARGETS:
+        res.setdefault(key, None)  # every listed key, null when its case did not run
+    _report(res, counts)
+    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print(f"\nwritten to {out}")
     return 0
 
 
-# -- throughput -------------------------------------------------------------------------------
+# -- floors and peers -------------------------------------------------------------------------------
 
 
-def _bench_mv(tasks: int, workers: int) -> dict[str, float]:
-    base = Path(tempfile.mkdtemp(prefix="tasklease-bench-mv-"))
-    try:
-        for sub in ("available", "claimed", "done"):
-            (base / sub).mkdir()
-        for i in range(tasks):
-            (base / "available" / f"task-{i:04d}").write_text("{}")
-        latencies: list[float] = []
-
-        def worker(me: int) -> None:
-            while True:
-                names = sorted(os.listdir(base / "available"))
-                if not names:
-                    return
-                for name in names:
-                    started = time.perf_counter()
-                    try:
-                        os.rename(base / "available" / name, base / "claimed" / f"{name}.{me}")
-                    except FileNotFoundError:
-                        continue  # another worker's mv won
-                    latencies.append(time.perf_counter() - started)
-                    os.rename(base / "claimed" / f"{name}.{me}", base / "done" / name)
-                    break
-
-        elapsed = _threads(workers, worker)
-        assert len(os.listdir(base / "done")) == tasks
-        return {"rate": tasks / elapsed, **_percentiles(latencies)}
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+def _floors(kube: Kube, *, rounds: int = 200) -> Results:
+    lease = kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                 "metadata": {"name": "floor"}, "spec": {"holderIdentity": "bench"}})
+    put: list[float] = []
+    get_put: list[float] = []
+    for i in range(rounds):  # interleaved, so that a busy moment weighs on both alike
+        lease["spec"]["leaseTransitions"] = 2 * i
+        started = time.perf_counter()
+        lease = kube.replace(LEASES, lease)
+        put.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        lease = kube.get(LEASES, "floor")
+        lease["spec"]["leaseTransitions"] = 2 * i + 1
+        lease = kube.replace(LEASES, lease)
+        get_put.append(time.perf_counter() - started)
+    return {"put_p50_s": statistics.median(put), "get_put_p50_s": statistics.median(get_put)}
 
 
-def _bench_raw(kube: Kube, *, kubeconfig: Path, args: argparse.Namespace) -> dict[str, float]:
-    return _run_workers("raw", kube, kubeconfig, args)
+def _python_le(kube: Kube, *, rounds: int = 20) -> float:
+    """The official client's LeaderElection acquiring a free Lease (GET finds none, create)."""
+    from kubernetes import client as k8s_client
+    from kubernetes.leaderelection import electionconfig, leaderelection
+    from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
+
+    k8s_client.Configuration.set_default(kube.api_client.configuration)
+    latencies = []
+    for i in range(rounds):
+        lock = LeaseLock(f"python-le-{i}", kube.namespace, "bench")  # type: ignore[no-untyped-call]
+        config = electionconfig.Config(  # type: ignore[no-untyped-call]
+            lock, lease_duration=15, renew_deadline=10, retry_period=2,
+            onstarted_leading=lambda: None, onstopped_leading=lambda: None)
+        election = leaderelection.LeaderElection(config)  # type: ignore[no-untyped-call]
+        started = time.perf_counter()
+        election.acquire()  # type: ignore[no-untyped-call]  # what run() does before leading
+        latencies.append(time.perf_counter() - started)
+    return statistics.median(latencies)
 
 
-def _bench_sdk(kube: Kube, *, kubeconfig: Path, args: argparse.Namespace) -> dict[str, float]:
-    for i in range(args.tasks):
-        kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task",
-                            "metadata": {"name": f"sdk-{i:04d}"}, "spec": {"queue": "bench"}})
-    return _run_workers("sdk", kube, kubeconfig, args)
+def _client_go(kube: Kube, *, kubeconfig: Path, rounds: int = 20) -> float | None:
+    binary = _build_client_go()
+    if binary is None:
+        return None
+    config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+    done = subprocess.run([str(binary), str(config), kube.namespace, str(rounds)], capture_output=True, text=True,
+                          timeout=300, check=True)
+    return float(statistics.median(json.loads(done.stdout)["latencies"]))
 
 
-def _run_workers(mode: str, kube: Kube, kubeconfig: Path, args: argparse.Namespace) -> dict[str, float]:
+def _build_client_go() -> Path | None:
+    """Built once from `peers/` (client-go from the Go module proxy), cached beside the binaries."""
+    go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").exists() else None)
+    target = binaries.cache_root() / "peers" / "client-go-acquire"
+    if target.exists() and target.stat().st_mtime >= (PEERS / "acquire.go").stat().st_mtime:
+        return target
+    if go is None:
+        _note("no Go toolchain: the client-go peer is skipped")
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "GOFLAGS": "-mod=mod"}
+    subprocess.run([go, "build", "-o", str(target), "."], cwd=PEERS, env=env, check=True, timeout=1800)
+    return target
+
+
+# -- agents as processes ----------------------------------------------------------------------------
+
+
+def _sdk_case(kube: Kube, *, kubeconfig: Path, workers: int, depth: int, drain: int) -> Results:
+    """`depth` open tasks, `workers` agents; the rate at which they drain `drain` of them."""
+    _create_tasks(kube, depth, queue="bench")
+    per_worker = math.ceil(drain / workers) if drain < depth else 0
+    return _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=workers, tasks=drain, max_tasks=per_worker)
+
+
+def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
+                 seconds: float = 0.0, on_go: Callable[[], None] | None = None) -> Results:
     """One process per worker, as agents are separate pods; the clock starts when all are ready."""
     config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
     go = kubeconfig.parent / f"{kube.namespace}.go"
     procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
                                "--kubeconfig", str(config), "--go", str(go), "--index", str(i),
-                               "--tasks", str(args.tasks), "--workers", str(args.workers)],
+                               "--tasks", str(tasks), "--workers", str(workers), "--max-tasks", str(max_tasks),
+                               "--seconds", str(seconds)],
                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-             for i in range(args.workers)]
-    for proc in procs:
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"bench worker ({mode}) did not start")
-    started = time.time()
-    go.touch()
+             for i in range(workers)]
+    sync = []
     reports = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=600)
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    go.unlink()
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().strip()
+            if not line.startswith("ready"):
+                raise RuntimeError(f"bench worker ({mode}) did not start")
+            sync.append(float(line.split()[1]))
+        started = time.time()
+        go.touch()
+        if on_go is not None:
+            on_go()
+        for proc in procs:
+            out, _ = proc.communicate(timeout=3600)
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        go.unlink(missing_ok=True)
+        for proc in procs:  # ours: a worker left waiting for `go` would wait forever
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     done = sum(r["done"] for r in reports)
-    if done != args.tasks:
-        raise RuntimeError(f"bench ({mode}): {done} of {args.tasks} tasks done")
+    if mode != "idle" and done < tasks:
+        raise RuntimeError(f"bench ({mode}): {done} of {tasks} tasks done")
     latencies = [x for r in reports for x in r["latencies"]]
     finished = max(r["last"] for r in reports)
-    return {"rate": args.tasks / (finished - started), "conflicts": sum(r["conflicts"] for r in reports),
-            **_percentiles(latencies)}
+    return {"rate": done / (finished - started) if done else 0.0, "done": done,
+            "conflicts": sum(r["conflicts"] for r in reports), "rss_mb": max(r["rss_mb"] for r in reports),
+            "sync_s": max(sync), "wakeups": [r.get("wakeups", 0) for r in reports],
+            "cpu_s": [r.get("cpu_s", 0.0) for r in reports], **_percentiles(latencies)}
 
 
-def _worker(mode: str, kubeconfig: str, go: Path, index: int, tasks: int, workers: int) -> dict[str, object]:
-    kube = Kube.connect(kubeconfig=kubeconfig)
+def _worker(args: argparse.Namespace) -> Results:
+    kube = Kube.connect(kubeconfig=args.kubeconfig)
     latencies: list[float] = []
-    conflicts = 0
-    done = 0
-    if mode == "raw":
-        names = [f"raw-{i:04d}" for i in range(index, tasks, workers)]  # no races: the floor
-        print("ready", flush=True)
-        _wait_for(go)
+    conflicts = done = 0
+    last = time.time()
+    report: Results = {}
+    if args.worker == "raw":
+        names = [f"raw-{i:06d}" for i in range(args.index, args.tasks, args.workers)]  # no races: the floor
+        print("ready 0", flush=True)
+        _wait_for(args.go)
         for name in names:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
-                    "spec": {"holderIdentity": f"w{index}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
+                    "spec": {"holderIdentity": f"w{args.index}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
             started = time.perf_counter()
             created = kube.create(LEASES, body)
             latencies.append(time.perf_counter() - started)
             created["spec"]["holderIdentity"] = None
             kube.replace(LEASES, created)
             done += 1
+        last = time.time()
     else:
-        agent = Agent(kube, identity=Identity(pod=f"bench-{index}", instance=f"{os.getpid()}"))
-        agent.watch("bench")
-        original = agent.protocol.claim
+        agent = Agent(kube, identity=Identity(pod=f"bench-{args.index}", instance=f"{os.getpid()}"))
+        synced = time.monotonic()
+        view = agent.watch("bench")
+        print(f"ready {time.monotonic() - synced:.3f}", flush=True)
+        _wait_for(args.go)
+        if args.worker == "idle":
+            wakeups, cpu = view.wakeups, _cpu_s()
+            time.sleep(args.seconds)
+            report = {"wakeups": view.wakeups - wakeups, "cpu_s": _cpu_s() - cpu}
+        else:
+            claim, complete = agent.protocol.claim, agent.protocol.complete
 
-        def timed_claim(*a: object, **kw: object) -> Held:
-            nonlocal conflicts
-            started = time.perf_counter()
-            try:
-                held = original(*a, **kw)  # type: ignore[arg-type]
-            except errors.Conflict:
-                conflicts += 1
-                raise
-            latencies.append(time.perf_counter() - started)
-            return held
-        agent.protocol.claim = timed_claim  # type: ignore[method-assign]
-        print("ready", flush=True)
-        _wait_for(go)
-        done = agent.work("bench", lambda task: "ok", idle_timeout=2.0)
+            def timed_claim(*a: Any, **kw: Any) -> Held:
+                nonlocal conflicts
+                started = time.perf_counter()
+                try:
+                    held = claim(*a, **kw)
+                except errors.Conflict:
+                    conflicts += 1
+                    raise
+                latencies.append(time.perf_counter() - started)
+                return held
+
+            def timed_complete(*a: Any, **kw: Any) -> Held:
+                nonlocal last
+                held = complete(*a, **kw)
+                last = time.time()
+                return held
+            agent.protocol.claim = timed_claim  # type: ignore[method-assign]
+            agent.protocol.complete = timed_complete  # type: ignore[method-assign]
+            done = agent.work("bench", lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
         agent.close()
-    last = time.time() - (2.0 if mode == "sdk" else 0.0)  # the idle wait that told us we were done
-    return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last}
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "rss_mb": rss_mb, **report}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _wait_for(path: Path) -> None:
@@ -211,15 +363,121 @@ def _wait_for(path: Path) -> None:
         time.sleep(0.005)
 
 
-# -- recovery -------------------------------------------------------------------------------------
+# -- renewals, the operator ---------------------------------------------------------------------------
+
+
+def _renewals(kube: Kube, *, kubeconfig: Path, held: int = 40, idle: int = 4, seconds: float = 10.0) -> Results:
+    """Idle agents beside `held` leases renewed every 5/3 s: how often does a renewal wake one?"""
+    _create_tasks(kube, held, queue="bench", leaseDurationSeconds=5)
+    holder = Agent(kube, identity=Identity(pod="holder", instance="bench"))
+    renewals = [0]
+    counting = threading.Event()
+    renew = holder.protocol.renew
+
+    def counted(*a: Any, **kw: Any) -> Held:
+        out = renew(*a, **kw)
+        if counting.is_set():
+            renewals[0] += 1
+        return out
+    holder.protocol.renew = counted  # type: ignore[method-assign]
+    tasks: list[ClaimedTask] = [holder.claim("bench", timeout=60) for _ in range(held)]
+    try:
+        window = _run_workers("idle", kube, kubeconfig=kubeconfig, workers=idle, tasks=0, seconds=seconds,
+                              on_go=counting.set)
+        counting.clear()
+    finally:
+        for task in tasks:
+            task.release()
+        holder.close()
+    per_agent = statistics.mean(window["wakeups"])
+    return {"renewals_in_window": renewals[0],
+            "renewal_wakeups_per_idle_agent": per_agent / max(renewals[0], 1),
+            "idle_agent_cpu_ms_per_renewal": statistics.mean(window["cpu_s"]) * 1000 / max(renewals[0], 1)}
+
+
+def _operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: float = 100.0,
+                   agents: int = 8) -> Results:
+    """Tasks arrive at `rate`/s, `agents` drain them, the operator projects: writes and lag."""
+    operator, port = _operator(kube, kubeconfig)
+    succeeded: dict[str, float] = {}
+    lags: list[float] = []
+
+    def seen(kind: str, obj: JSON) -> None:
+        status = obj.get("status") or {}
+        name = obj["metadata"]["name"]
+        if status.get("phase") == "Succeeded" and name not in succeeded:
+            succeeded[name] = time.time()
+            done_at = parse_time(status.get("completedAt"))
+            if done_at is not None:
+                lags.append(succeeded[name] - done_at.timestamp())
+    watch = Reflector(kube, TASKS, namespace=kube.namespace, listener=seen, keep_objects=False)
+    watch.start()
+    try:
+        _until(lambda: _get_ok(port), 120, "the operator to be ready")
+
+        def produce() -> None:
+            start = time.monotonic()
+            for i in range(tasks):
+                time.sleep(max(start + i / rate - time.monotonic(), 0))
+                _create(kube, f"flow-{i:06d}", queue="bench")
+        report = _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=tasks,
+                              on_go=lambda: threading.Thread(target=produce, daemon=True).start())
+        _until(lambda: len(succeeded) >= tasks, 300, "every task projected Succeeded")
+        status_writes = _metric(port, "tasklease_status_writes_total", 'result="ok"')
+        events = _metric(port, "tasklease_events_posted_total")
+    finally:
+        watch.stop()
+        _stop(operator)
+    agent_writes = 2 * tasks  # one claim, one completion each (409s are not successful writes)
+    return {"writes_per_task_operator": (agent_writes + status_writes + events) / tasks,
+            "status_writes_per_task": status_writes / tasks, "events_per_task": events / tasks,
+            "projection_lag_p50_s": statistics.median(lags), "projection_lag_p99_s": _p99(lags),
+            "flow_conflicts_per_task": report["conflicts"] / tasks}
+
+
+def _cli_and_operator_at_depth(kube: Kube, *, kubeconfig: Path, depth: int, suffix: str,
+                               claims: int = 30) -> Results:
+    """`depth` open tasks: the operator's memory and time to work through them as a backlog,
+    then the one-shot claim (`tasklease claim`'s path) with the operator keeping up."""
+    _create_tasks(kube, depth, queue="bench")
+    started = time.monotonic()
+    operator, port = _operator(kube, kubeconfig)
+    try:
+        _until(lambda: _get_ok(port), 3600, "the operator to work through its backlog", interval=1.0)
+        backlog_s = time.monotonic() - started
+        rss = _rss_mb(operator.pid)
+        latencies = []
+        agent = Agent(kube, identity=Identity(pod="cli", instance="bench"))
+        for _ in range(claims):
+            began = time.perf_counter()
+            task = agent.claim_once("bench")
+            latencies.append(time.perf_counter() - began)
+            task.complete("ok")
+            # As between two shell claims: the operator has projected the last one.
+            _until(functools.partial(_phase_is, kube, task.name, "Succeeded"), 30, "the claimed task to be projected")
+    finally:
+        _stop(operator)
+    out: Results = {f"operator_rss_mb_{suffix}": rss, f"operator_backlog_s_{suffix}": backlog_s}
+    if latencies:
+        out[f"cli_claim_p50_s_{suffix}"] = statistics.median(latencies)
+        out[f"cli_claim_vs_floor_{suffix}"] = statistics.median(latencies) / _floors(kube, rounds=50)["get_put_p50_s"]
+    return out
+
+
+def _operator(kube: Kube, kubeconfig: Path) -> tuple[subprocess.Popen[bytes], int]:
+    config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+    port = free_port()
+    return _spawn(["operator", f"--kubeconfig={config}", f"--namespace={kube.namespace}", "--no-leader-elect",
+                   "--grace=1", f"--http-port={port}", "--http-host=127.0.0.1"]), port
+
+
+# -- recovery ---------------------------------------------------------------------------------------
 
 
 def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: bool) -> list[float]:
     """Kill `kills` holders at once; seconds until each task is claimable again."""
     ns_config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
-    port = free_port()
-    operator = _spawn(["operator", f"--kubeconfig={ns_config}", f"--namespace={kube.namespace}",
-                       "--no-leader-elect", "--grace=1", f"--http-port={port}", "--http-host=127.0.0.1"])
+    operator, port = _operator(kube, kubeconfig)
     agents = []
     try:
         for i in range(kills):
@@ -256,13 +514,81 @@ def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: 
         return list(freed.values())
     finally:
         for proc in [*agents, operator]:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            _stop(proc)
 
 
+# -- etcd fsync ---------------------------------------------------------------------------------------
 
-# -- helpers ---------------------------------------------------------------------------------------
+
+def _etcd_fsync(writes: int = 300) -> Results:
+    """The local cluster runs etcd with --unsafe-no-fsync: sequential writes to a bare etcd
+    with fsync on and off, on this disk, say what that changes."""
+    out: Results = {}
+    for name, flags in (("fsync_off", ["--unsafe-no-fsync"]), ("fsync_on", [])):
+        data = Path(tempfile.mkdtemp(prefix="tasklease-bench-etcd-"))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([str(binaries.ensure_kubernetes().etcd), f"--data-dir={data}",
+                                 f"--listen-client-urls={url}", f"--advertise-client-urls={url}",
+                                 f"--listen-peer-urls=http://127.0.0.1:{free_port()}", "--log-level=error", *flags],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _until(functools.partial(_http_ok, f"{url}/health"), 30, "etcd to start")
+            latencies = []
+            for i in range(writes):
+                body = json.dumps({"key": base64.b64encode(f"k{i % 10}".encode()).decode(),
+                                   "value": base64.b64encode(b"x" * 512).decode()}).encode()
+                started = time.perf_counter()
+                with urllib.request.urlopen(urllib.request.Request(f"{url}/v3/kv/put", data=body), timeout=10):
+                    pass
+                latencies.append(time.perf_counter() - started)
+            out[f"etcd_put_p50_ms_{name}"] = statistics.median(latencies) * 1000
+        finally:
+            _stop(proc)
+            shutil.rmtree(data, ignore_errors=True)
+    out["etcd_fsync_on_vs_off"] = out["etcd_put_p50_ms_fsync_on"] / out["etcd_put_p50_ms_fsync_off"]
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+
+def _report(res: Results, counts: list[int]) -> None:
+    m = res["machine"]
+    print(f"\ntasklease bench: {m['cpu_model']}, {m['nproc']} CPUs, Kubernetes {res['kubernetes']} on 127.0.0.1, "
+          f"etcd {res['etcd_flags']}, {res['runtime_s'] / 60:.0f} min\n")
+    print(f"{'agents':>6} {'floor tasks/s':>14} {'SDK tasks/s':>12} {'ratio':>6} {'claim p50':>10} "
+          f"{'claim p95':>10} {'409s':>5}")
+    for n in counts:
+        raw, sdk = res["cases"][n]["raw"], res["cases"][n]["sdk"]
+        print(f"{n:>6} {raw['rate']:14.1f} {sdk['rate']:12.1f} {sdk['rate'] / raw['rate']:6.2f} "
+              f"{_ms(sdk.get('p50'))} {_ms(sdk.get('p95'))} {sdk['conflicts']:>5}")
+    print(f"\nfloors: conditional PUT {_ms(res['put_p50_s'])}, GET + PUT {_ms(res['get_put_p50_s'])}; "
+          f"peers acquiring a free Lease: Python LeaderElection {_ms(res['python_le_p50_s'])}, "
+          f"client-go {_ms(res['client_go_p50_s'])}; SDK claim {_ms(res['claim_p50_s'])}")
+    print(f"etcd alone, sequential put p50: fsync off {res['etcd_put_p50_ms_fsync_off']:.2f} ms, "
+          f"on {res['etcd_put_p50_ms_fsync_on']:.2f} ms ({res['etcd_fsync_on_vs_off']:.1f}x)")
+    print(f"cancel reaching its holder: median {res['cancel_to_holder_median_s']:.3f} s, "
+          f"max {res['cancel_to_holder_max_s']:.3f} s\n")
+    print(f"{'figure':48} {'target':>8} {'measured':>10}")
+    for figure, key, target, ok in TARGETS:
+        value = res.get(key)
+        shown = "not run" if value is None else f"{value:.3f}" if value < 10 else f"{value:.0f}"
+        verdict = "" if value is None or target == "-" else ("  met" if ok(value) else "  NOT met")
+        print(f"{figure:48} {target:>8} {shown:>10}{verdict}")
+
+
+def _machine() -> Results:
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return {"nproc": os.cpu_count(), "cpu_model": model}
+
+
+# -- helpers ------------------------------------------------------------------------------------------
 
 
 def _bench_cancel(kube: Kube, *, rounds: int) -> list[float]:
@@ -298,14 +624,14 @@ def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:
         admin.delete(NAMESPACES, name)
 
 
-def _threads(n: int, target: Callable[[int], None]) -> float:
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - started
+def _create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
+    kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
+                        "spec": {"queue": queue, **spec}})
+
+
+def _create_tasks(kube: Kube, count: int, *, queue: str, **spec: Any) -> None:
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: _create(kube, f"t-{i:06d}", queue=queue, **spec), range(count)))
 
 
 def _percentiles(latencies: list[float]) -> dict[str, float]:
@@ -315,8 +641,24 @@ def _percentiles(latencies: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(latencies), "p95": q[18]}
 
 
+def _p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else (values[0] if values else math.nan)
+
+
 def _ms(value: float | None) -> str:
     return f"{'-':>10}" if value is None else f"{value * 1000:8.2f}ms"
+
+
+def _k(n: int) -> str:
+    return f"{n // 1000}k" if n >= 1000 else str(n)
+
+
+def _note(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def _phase_is(kube: Kube, name: str, phase: str) -> bool:
+    return bool((kube.get(TASKS, name).get("status") or {}).get("phase") == phase)
 
 
 def _state(kube: Kube, name: str) -> str:
@@ -332,19 +674,42 @@ def _until(condition: Callable[[], bool], timeout: float, what: str, interval: f
         time.sleep(interval)
 
 
-def _get_ok(port: int) -> bool:
-    import urllib.request
-
+def _http_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as resp:
+        with urllib.request.urlopen(url, timeout=1) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
 
 
+def _get_ok(port: int) -> bool:
+    return _http_ok(f"http://127.0.0.1:{port}/readyz")
+
+
+def _metric(port: int, name: str, labels: str = "") -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
 def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "tasklease.cli", *args], env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Only processes this bench started, by their own id."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ _STRICT = {"fieldValidation": "Strict"}
 # Bookmarks arrive about once a minute: a stream silent for longer than this is dead.
 _WATCH_READ_TIMEOUT_S = 90
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+_PAGE = 500  # objects per LIST page
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,30 @@ class Kube:
 
     def list(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
              label_selector: str = "", field_selector: str = "", timeout: float = 30) -> JSON:
+        """Every selected object, fetched page by page; `metadata.resourceVersion` is the list's."""
+        items: list[JSON] = []
+        listed: JSON = {}
+        for listed in self.list_pages(res, namespace=namespace, all_namespaces=all_namespaces,
+                                      label_selector=label_selector, field_selector=field_selector,
+                                      timeout=timeout):
+            items.extend(listed.get("items", []))
+        return {**listed, "items": items}
+
+    def list_pages(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
+                   label_selector: str = "", field_selector: str = "", limit: int = _PAGE,
+                   timeout: float = 30) -> Iterator[JSON]:
+        """A LIST in pages of at most `limit` objects (`limit`/`continue`), all from one snapshot:
+        the server never builds, and we never hold, one answer for a whole large queue. A
+        continue token that expired mid-way raises Gone: start over."""
         ns = None if all_namespaces else (namespace or self.namespace)
-        return self.request("GET", res.path(ns), query=_selectors(label_selector, field_selector), timeout=timeout)
+        query: dict[str, Any] = {**_selectors(label_selector, field_selector), "limit": limit}
+        while True:
+            page = self.request("GET", res.path(ns), query=query, timeout=timeout)
+            yield page
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return
+            query["continue"] = token
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:
         return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT, timeout=timeout)

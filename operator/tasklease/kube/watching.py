@@ -2,7 +2,8 @@
 
 A restarted watch asks for the last resourceVersion it saw, so nothing that happened
 while it reconnected is missed; when the server no longer has that version (410 Gone)
-it lists again and reports what disappeared meanwhile as deletions.
+it lists again and reports what disappeared meanwhile as deletions. Lists are paginated
+(`limit`/`continue`): a large queue never arrives as one huge answer.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ _RETRY_S = 1.0
 
 
 class Reflector:
-    """Keeps `store` (name → object) equal to the selected objects; calls `listener(type, obj)`."""
+    """Keeps `store` (name → object) equal to the selected objects; calls `listener(type, obj)`.
+
+    `keep_objects=False`: the store keeps only each object's metadata (name, resourceVersion),
+    for a listener that keeps its own, smaller picture; a deletion found by a relist is then
+    delivered with that metadata only."""
 
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str, listener: Listener,
-                 label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300) -> None:
+                 label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
+                 keep_objects: bool = True, page_size: int = 500) -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -32,11 +38,14 @@ class Reflector:
         self.label_selector = label_selector
         self.field_selector = field_selector
         self.watch_timeout_s = watch_timeout_s
+        self.keep_objects = keep_objects
+        self.page_size = page_size
         self.store: dict[str, JSON] = {}
         self.synced = threading.Event()
         self.error: Exception | None = None  # the last failure, until the next success
         self.lists = 0  # full LISTs made: one at start, one more per 410 Gone
         self.watches = 0  # watch requests made: one more each time a stream ends
+        self.pages = 0  # LIST pages received: a long first list shows its progress here
         self._stop = threading.Event()
         self._rv = ""
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
@@ -66,16 +75,21 @@ class Reflector:
                 self._stop.wait(_RETRY_S)
 
     def _relist(self) -> None:
-        listed = self.kube.list(self.resource, namespace=self.namespace, label_selector=self.label_selector,
-                                field_selector=self.field_selector)
+        seen: set[str] = set()
+        rv = ""
+        for page in self.kube.list_pages(self.resource, namespace=self.namespace, limit=self.page_size,
+                                         label_selector=self.label_selector, field_selector=self.field_selector):
+            for obj in page.get("items", []):
+                name = obj["metadata"]["name"]
+                seen.add(name)
+                self._keep(name, obj)
+                self._deliver("ADDED", obj)
+            rv = page["metadata"]["resourceVersion"]  # every page carries the list's snapshot version
+            self.pages += 1
         self.lists += 1
-        fresh = {o["metadata"]["name"]: o for o in listed.get("items", [])}
-        for name in set(self.store) - set(fresh):
+        for name in set(self.store) - seen:
             self._deliver("DELETED", self.store.pop(name))
-        for name, obj in fresh.items():
-            self.store[name] = obj
-            self._deliver("ADDED", obj)
-        self._rv = listed["metadata"]["resourceVersion"]
+        self._rv = rv
         self.error = None
         self.synced.set()
 
@@ -98,8 +112,14 @@ class Reflector:
             if kind == "DELETED":
                 self.store.pop(name, None)
             else:
-                self.store[name] = obj
+                self._keep(name, obj)
             self._deliver(kind, obj)
+
+    def _keep(self, name: str, obj: JSON) -> None:
+        meta = obj["metadata"]
+        self.store[name] = obj if self.keep_objects else {
+            "metadata": {"name": name, "namespace": meta.get("namespace", self.namespace),
+                         "resourceVersion": meta.get("resourceVersion", "")}}
 
     def _deliver(self, kind: str, obj: JSON) -> None:
         """One bad object (say, a hand-edited annotation) must not stop the stream."""

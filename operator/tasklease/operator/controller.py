@@ -9,7 +9,8 @@ kopf choices, on purpose (see docs/operator.md):
 - Handlers are `async` and only update memory; API writes happen in worker threads
   with the synchronous client, never on kopf's event loop.
 - kopf posts no Events of its own (`settings.posting.enabled = False`); the reconciler
-  posts one per task transition. Peering is off (`standalone`): HA is a Lease election.
+  posts one per abnormal task transition (and per happy one with `--events=all`).
+  Peering is off (`standalone`): HA is a Lease election.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def run_operator(args: argparse.Namespace) -> int:
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
     reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
-                            default_ttl_s=args.ttl_seconds_after_finished)
+                            default_ttl_s=args.ttl_seconds_after_finished, coalesce_s=args.coalesce,
+                            happy_events=args.events == "all")
     stop = threading.Event()
     ready = threading.Event()
     elector = None
@@ -148,14 +150,17 @@ def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.E
             elif self.path == "/healthz":
                 self._reply(200, b"ok\n")
             elif self.path == "/readyz":
-                role = b"leader" if reconciler.active.is_set() else b"standby"
+                # A leader is ready once it has reconciled every Task that existed when it
+                # started leading (the initial backlog); a standby once its watches run. Either
+                # is unready while a watch keeps failing.
+                role = "leader" if reconciler.active.is_set() else "standby"
                 problem = health.problem()
-                if not ready.is_set():
-                    self._reply(503, b"starting " + role + b"\n")
+                if not ready.is_set() or (role == "leader" and not reconciler.caught_up.is_set()):
+                    self._reply(503, f"starting {role}\n".encode())
                 elif problem is not None:
-                    self._reply(503, f"watch failing ({role.decode()}): {problem}\n".encode())
+                    self._reply(503, f"watch failing ({role}): {problem}\n".encode())
                 else:
-                    self._reply(200, b"ready " + role + b"\n")
+                    self._reply(200, f"ready {role}\n".encode())
             else:
                 self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
 

@@ -48,6 +48,7 @@ TIME_TO_REQUEUE = Histogram(
     buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=REGISTRY)
 STATUS_WRITES = Counter("tasklease_status_writes_total", "Task status writes, by result.", ["result"],
                         registry=REGISTRY)
+EVENTS_POSTED = Counter("tasklease_events_posted_total", "Events posted on Tasks.", registry=REGISTRY)
 LEADER = Gauge("tasklease_operator_leader", "1 while this replica is the active one.", registry=REGISTRY)
 PENDING_WORK = Gauge("tasklease_operator_queue_depth", "Tasks waiting to be reconciled.", registry=REGISTRY)
 

@@ -6,6 +6,8 @@ import argparse
 
 from tasklease.operator.expiry import DEFAULT_GRACE_S
 
+DEFAULT_COALESCE_S = 0.5  # `Reconciler.coalesce_s` for the command; the class itself coalesces nothing unless told
+
 
 def add_operator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--namespace", action="append", dest="namespaces", metavar="NS",
@@ -16,6 +18,13 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds added to leaseDurationSeconds before a silent holder is expired "
                         f"(default {DEFAULT_GRACE_S:g})")
     p.add_argument("--workers", type=int, default=2, help="reconcile threads (default 2)")
+    p.add_argument("--coalesce", type=float, default=DEFAULT_COALESCE_S, metavar="SECONDS",
+                   help="wait this long after a task's first change before projecting it, so that its "
+                        f"changes meanwhile make one status write (default {DEFAULT_COALESCE_S:g})")
+    p.add_argument("--events", choices=["abnormal", "all"], default="abnormal",
+                   help="which transitions become Events on the Task: abnormal ones (Expired, Failed, "
+                        "Released, Requeued, DeadLettered, Cancelled; the default) or all (also Claimed "
+                        "and Succeeded, two more writes per task)")
     p.add_argument("--http-port", type=int, default=8080,
                    help="port for /metrics, /healthz and /readyz (default 8080; 0 disables)")
     p.add_argument("--http-host", default="0.0.0.0", help="address for the HTTP endpoints (default 0.0.0.0)")

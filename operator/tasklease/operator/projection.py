@@ -24,6 +24,15 @@ class Transition:
     reason: str  # Claimed, Expired, Requeued, Succeeded, Failed, DeadLettered, Cancelled, ...
     message: str
 
+    @property
+    def happy(self) -> bool:
+        """A step of the happy path (claimed, succeeded): at scale these Events are optional,
+        the abnormal ones are always posted."""
+        return self.reason in HAPPY_REASONS
+
+
+HAPPY_REASONS = ("Claimed", "Succeeded")
+
 
 def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, now: datetime) -> TaskStatus:
     """The status `task` should have, given its Lease `rec` and its current status `old`."""
@@ -57,8 +66,9 @@ def _from_lease(rec: LeaseRecord) -> TaskStatus:
     status = TaskStatus(attempt=rec.epoch, history=list(rec.history), last_error=rec.error,
                         claimed_at=rec.acquired_at if rec.epoch else None, not_before=rec.not_before)
     if rec.state == record.HELD:
+        # Not renewTime: the status changes when the holder changes, never per heartbeat
+        # (a write per renewal would reach every watcher of the Task). The Lease has it.
         status.phase, status.reason, status.holder = Phase.RUNNING, "Held", rec.holder
-        status.renewed_at = rec.renewed_at
     elif rec.state == record.CLOSED:
         status.phase, status.reason = Phase(rec.outcome), rec.reason
         status.result, status.completed_at = rec.result, rec.renewed_at

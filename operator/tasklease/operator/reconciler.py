@@ -1,13 +1,16 @@
 """The operator's reactions, in one place: from watched Tasks, Leases and Pods to writes.
 
 Watch events (from kopf, in `controller`) only update the in-memory picture and queue
-the task's key; worker threads reconcile keys one at a time per key:
+the task's key, after a short coalescing window (`coalesce_s`): every event of one task
+within that window makes one reconcile, so a task claimed and finished within it gets one
+status write. Worker threads reconcile keys one at a time per key:
 
 1. carry out what the Task asks: cancel, or fail it at its deadline;
 2. expire a held lease whose holder went silent (observed time, `expiry.LeaseClock`) or
    whose Pod is gone: free it for the next attempt with backoff, or dead-letter it;
-3. project the Lease into Task.status (conditional PUT), then post the Events and count
-   the metrics of what changed;
+3. project the Lease into Task.status (conditional PUT), then post the Events (the
+   happy-path ones, Claimed and Succeeded, only with `happy_events`) and count the
+   metrics of what changed;
 4. schedule the key's next look in the one `DeadlineQueue`.
 
 Every write is conditional on what was observed; a 409 means the world moved and a
@@ -20,8 +23,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -42,12 +46,16 @@ _MAX_WAIT_S = 5.0
 _CONFLICT_RETRY_S = 0.2
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
+# What a decision or a status write needs of a Task's metadata; the rest (managedFields,
+# annotations) stays with the API server.
+_KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp")
 
 
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
-                 component: str = "tasklease-operator", default_ttl_s: int | None = None) -> None:
+                 component: str = "tasklease-operator", default_ttl_s: int | None = None, coalesce_s: float = 0.0,
+                 happy_events: bool = False) -> None:
         self.kube = kube
         self.namespaces = namespaces  # None: all
         self.protocol = Protocol(kube, clock=clock)
@@ -56,13 +64,20 @@ class Reconciler:
         self.component = component
         self.default_ttl_s = default_ttl_s  # for Tasks without spec.ttlSecondsAfterFinished
         self.workers = workers
+        self.coalesce_s = coalesce_s
+        self.happy_events = happy_events
         self.active = threading.Event()
+        # Set once every Task that existed when we started leading has been reconciled once.
+        self.caught_up = threading.Event()
+        self._backlog: set[Key] | None = None  # None: not counted yet
         self._tasks: dict[Key, JSON] = {}
         self._leases: dict[Key, LeaseRecord] = {}
         self._pods_alive: dict[Key, bool] = {}
         self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic, grace_s=grace_s)
         self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
         self._pending: OrderedDict[Key, None] = OrderedDict()
+        self._soon: deque[tuple[float, Key]] = deque()  # coalescing: (due, key), in due order
+        self._coalescing: set[Key] = set()
         self._inflight: set[Key] = set()
         self._phases: dict[Key, tuple[str, str]] = {}  # (queue, phase) as last projected
         self._queues: set[tuple[str, str]] = set()  # (namespace, queue) seen: their series exist
@@ -78,12 +93,12 @@ class Reconciler:
                 self._tasks.pop(key, None)
                 self._set_phase(key, None)
             else:
-                self._tasks[key] = obj
+                self._tasks[key] = _slim(obj)
                 where = (key[0], str((obj.get("spec") or {}).get("queue", "")))
                 if where not in self._queues:
                     self._queues.add(where)
                     metrics.known_queue(*where)
-            self._enqueue(key)
+            self._enqueue_soon(key)
 
     def oldest_pending(self) -> list[tuple[str, str, float]]:
         """(namespace, queue, age in seconds of its oldest Pending task) for every known queue."""
@@ -103,7 +118,7 @@ class Reconciler:
         key = _key(obj)
         with self._cond:
             self._apply_lease(key, kind, obj)
-            self._enqueue(key)
+            self._enqueue_soon(key)
 
     def _apply_lease(self, key: Key, kind: str, obj: JSON) -> None:
         """Caller holds the lock."""
@@ -120,7 +135,9 @@ class Reconciler:
 
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
         """Caller holds the lock."""
-        self._leases[key] = rec
+        # Of the raw Lease only its uid is used (the precondition of an orphan's removal).
+        uid = (rec.raw.get("metadata") or {}).get("uid")
+        self._leases[key] = replace(rec, raw={"metadata": {"uid": uid}}) if uid else rec
         if rec.state == record.HELD:
             # The moment we first see this version is what expiry is measured from.
             self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
@@ -142,14 +159,47 @@ class Reconciler:
 
     def activate(self) -> None:
         """Start acting (we lead): every held lease gets a full duration from now. The Leases
-        are listed once first, so no Task is judged before its Lease is known."""
+        are listed once first, so no Task is judged before its Lease is known. The Tasks are
+        listed in the background (not on the election thread): `caught_up` is set once each
+        of them has been reconciled."""
         self._seed_leases()
         with self._cond:
             self._lease_clock.restart_all()
+            self.caught_up.clear()
+            self._backlog = None
             self.active.set()
             metrics.LEADER.set(1)
             for key in self._tasks:  # a Lease without a Task comes back with its own next event
                 self._enqueue(key)
+        threading.Thread(target=self._seed_tasks, name="seed-tasks", daemon=True).start()
+
+    def _seed_tasks(self) -> None:
+        """Count the backlog: every Task that exists now, page by page, queued for a look."""
+        backlog: set[Key] = set()
+        scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
+        while self.active.is_set():
+            try:
+                for ns in scopes:
+                    for page in self.kube.list_pages(TASKS, namespace=ns, all_namespaces=ns is None):
+                        with self._cond:
+                            for obj in page.get("items", []):
+                                key = _key(obj)
+                                backlog.add(key)
+                                self._tasks.setdefault(key, _slim(obj))  # the watch may be ahead
+                                self._enqueue(key)
+                break
+            except errors.TaskleaseError as exc:
+                log.warning("listing Tasks to count the backlog failed (%s); retrying", exc)
+                backlog.clear()
+                time.sleep(1.0)
+        with self._cond:
+            self._backlog = {k for k in backlog if k in self._pending or k in self._inflight}
+            self._check_caught_up()
+
+    def _check_caught_up(self) -> None:
+        """Caller holds the lock."""
+        if self._backlog is not None and not self._backlog and self.active.is_set():
+            self.caught_up.set()
 
     def _seed_leases(self) -> None:
         scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
@@ -173,6 +223,7 @@ class Reconciler:
 
     def deactivate(self) -> None:
         self.active.clear()
+        self.caught_up.clear()
         metrics.LEADER.set(0)
 
     # -- workers ---------------------------------------------------------------------------
@@ -206,11 +257,19 @@ class Reconciler:
             finally:
                 with self._cond:
                     self._inflight.discard(key)
+                    if self._backlog is not None and key not in self._pending:
+                        self._backlog.discard(key)
+                        self._check_caught_up()
                     self._cond.notify_all()
 
     def _take(self) -> Key | None:
         with self._cond:
-            for due in self._deadlines.pop_due(self.monotonic()):
+            now = self.monotonic()
+            for due in self._deadlines.pop_due(now):
+                self._pending[due] = None
+            while self._soon and self._soon[0][0] <= now:
+                _, due = self._soon.popleft()
+                self._coalescing.discard(due)
                 self._pending[due] = None
             for key in self._pending:
                 if key not in self._inflight:
@@ -218,7 +277,8 @@ class Reconciler:
                     self._inflight.add(key)
                     metrics.PENDING_WORK.set(len(self._pending))
                     return key
-            nxt = self._deadlines.next_at()
+            nxt = min((t for t in (self._deadlines.next_at(), self._soon[0][0] if self._soon else None)
+                       if t is not None), default=None)
             wait = _MAX_WAIT_S if nxt is None else min(max(nxt - self.monotonic(), 0.0), _MAX_WAIT_S)
             self._cond.wait(wait)
             return None
@@ -227,6 +287,16 @@ class Reconciler:
         """Caller holds the lock."""
         self._pending[key] = None
         self._cond.notify_all()
+
+    def _enqueue_soon(self, key: Key) -> None:
+        """Caller holds the lock. Queue `key` at the end of a coalescing window that its first
+        event opens: later events of the same window ride along."""
+        if self.coalesce_s <= 0:
+            self._enqueue(key)
+        elif key not in self._pending and key not in self._coalescing:
+            self._coalescing.add(key)
+            self._soon.append((self.monotonic() + self.coalesce_s, key))
+            self._cond.notify_all()
 
     # -- one key -------------------------------------------------------------------------------
 
@@ -307,14 +377,14 @@ class Reconciler:
             # Keep our write only if the watch has not brought anything newer meanwhile
             # (a cancel made right after our write must not be hidden by it).
             if self._tasks.get(key) is task:
-                self._tasks[key] = written
+                self._tasks[key] = _slim(written)
         _observe_attempts(key[0], queue, written, old, new)
         for t in projection.transitions(old, new):
-            self._announce(written, t, queue)
+            self._announce(written, t, queue, post=self.happy_events or not t.happy)
 
-    def _announce(self, task: JSON, t: projection.Transition, queue: str) -> None:
+    def _announce(self, task: JSON, t: projection.Transition, queue: str, *, post: bool) -> None:
+        """Log and count `t`; post it as an Event only when `post`."""
         meta = task["metadata"]
-        log.info("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
         namespace = meta["namespace"]
         counter = {"Claimed": metrics.CLAIMS, "Requeued": metrics.REQUEUES, "DeadLettered": metrics.DEAD_LETTERS,
                    "Retried": metrics.RETRIES}
@@ -324,6 +394,10 @@ class Reconciler:
             # The phase label holds a phase: a dead letter is a Failed completion (and a dead letter).
             phase = Phase.FAILED.value if t.reason == "DeadLettered" else t.reason
             metrics.COMPLETIONS.labels(namespace, queue, phase).inc()
+        if not post:
+            log.debug("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
+            return
+        log.info("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
         now = self.clock().strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1", "kind": "Event",
@@ -337,6 +411,7 @@ class Reconciler:
         }
         try:
             self.kube.create(EVENTS, event, namespace=meta["namespace"])
+            metrics.EVENTS_POSTED.inc()
         except errors.TaskleaseError as exc:
             log.warning("could not post event %s on %s/%s: %s", t.reason, meta["namespace"], meta["name"], exc)
 
@@ -420,6 +495,14 @@ def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskSt
                 metrics.RUN_TIME.labels(namespace, queue, a.outcome).observe(
                     max((a.ended_at - a.claimed_at).total_seconds(), 0))
         previous_end = a.ended_at or previous_end
+
+
+def _slim(task: JSON) -> JSON:
+    """What the reconciler keeps of a Task: enough to decide and to write its status."""
+    meta = task["metadata"]
+    return {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
+            "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta},
+            "spec": task.get("spec", {}), "status": task.get("status")}
 
 
 def _key(obj: JSON) -> Key:

@@ -102,17 +102,6 @@ def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) ->
     if found is Blocker.SCHEDULED:
         return f"scheduled for {format_time(task.spec.not_before)}"
     return {Blocker.CANCELLED: "cancelled", Blocker.PAST_DEADLINE: "past its deadline"}.get(found, "attempts spent")
-    if rec.owner_uid != task.uid:
-        return "its Lease belongs to an older task of the same name"
-    if rec.state == CLOSED:
-        return f"closed ({rec.outcome})"
-    if rec.state == HELD:
-        return f"held by {rec.holder}"
-    if rec.not_before is not None and now < rec.not_before:
-        return f"backing off until {format_time(rec.not_before)}"
-    if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
-        return "attempts spent"
-    return None
 
 
 def attempts_used(task: TaskView, rec: LeaseRecord) -> int:

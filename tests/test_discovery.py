@@ -1,0 +1,81 @@
+"""Discovery: strict priority, agents spread within a band, and renewals that wake nobody."""
+
+from __future__ import annotations
+
+from conftest import make_task, wait_for
+from tasklease.agent import Agent, Identity
+from tasklease.agent.discovery import CandidateIndex, rendezvous
+from tasklease.api.timestamps import now_utc
+from tasklease.kube import Kube
+from tasklease.protocol import Protocol
+
+
+def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
+    index = CandidateIndex()
+    for i in range(100):
+        index.add(f"low-{i:03d}", 0, f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z")
+    index.add("mid", 5, "2026-01-01T00:00:00Z")
+    index.add("top", 1000, "2026-01-01T00:09:00Z")
+    assert index.best(8) == ["top"]  # never a lower band while a higher one has a candidate
+    index.discard("top")
+    assert index.best(8) == ["mid"]
+    index.discard("mid")
+    assert index.best(3) == ["low-000", "low-001", "low-002"]  # oldest first
+    index.add("low-050", 7, "2026-01-01T00:00:50Z")  # its priority was raised
+    assert index.best(3) == ["low-050"]
+    for i in range(100):
+        index.discard(f"low-{i:03d}")
+    assert index.best(3) == [] and len(index) == 0
+
+
+def test_agents_looking_at_the_same_band_prefer_different_tasks() -> None:
+    names = [f"task-{i:02d}" for i in range(32)]
+    first_choices = {rendezvous(f"agent-{a}/x", names)[0] for a in range(16)}
+    assert len(first_choices) >= 8  # a shuffle shared by all would give one
+    assert rendezvous("agent-0/x", names) == rendezvous("agent-0/x", list(reversed(names)))
+
+
+def test_a_claim_takes_the_highest_priority_task_every_time(kube: Kube) -> None:
+    for i in range(40):
+        make_task(kube, f"low-{i:02d}", queue="prio")
+    agent = Agent(kube, identity=Identity(pod="prio-agent", instance="a"))
+    view = agent.watch("prio")
+    try:
+        for round_ in range(5):
+            make_task(kube, f"urgent-{round_}", queue="prio", priority=1000)
+            # The urgent task must be in the agent's picture before the claim can be judged.
+            wait_for(lambda round_=round_: any(t.name == f"urgent-{round_}"
+                                               for t, _ in view.choose("x", now_utc(), window=1)),
+                     message="the urgent task in the agent's view")
+            task = agent.claim("prio", timeout=30)
+            assert task.name == f"urgent-{round_}"
+            task.complete("done")
+        task = agent.claim("prio", timeout=30)
+        assert task.name.startswith("low-")
+        task.release()
+    finally:
+        agent.close()
+
+
+def test_a_held_leases_renewals_wake_no_idle_agent(kube: Kube) -> None:
+    make_task(kube, "busy", queue="renewals")
+    holder = Agent(kube, identity=Identity(pod="holder", instance="a"))
+    idle = Agent(kube, identity=Identity(pod="idle", instance="b"))
+    try:
+        task = holder.claim("renewals", timeout=30)
+        task.detach()  # renew by hand below, so the count of renewals is exact
+        view = idle.watch("renewals")
+        wait_for(lambda: view.claimable_count() == 0, message="the idle agent to see the task held")
+        before = view.wakeups
+        protocol = Protocol(kube)
+        held = task.held
+        for _ in range(10):
+            held = protocol.renew(held)
+        protocol.release(held, "done renewing")
+        # The release comes after the renewals on the same watch stream: once it has woken
+        # the idle agent, every renewal has been through its picture too.
+        wait_for(lambda: view.claimable_count() == 1, message="the release to reach the idle agent")
+        assert view.wakeups == before + 1
+    finally:
+        holder.close()
+        idle.close()
