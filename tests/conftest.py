@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tasklease.api import errors
-from tasklease.kube import NAMESPACES, TASKS, Kube, Resource
+from tasklease.kube import NAMESPACES, PODS, TASKS, Kube, Resource
 from tasklease.dev import binaries
 from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig
 from tasklease.dev.crds import apply_crds
@@ -155,6 +155,20 @@ def service_account_kubeconfig(cluster: Cluster, namespace: str, name: str, clus
     path = directory / f"{name}-{uuid.uuid4().hex[:6]}.kubeconfig"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+AGENT_SA = "tasklease-agent"
+
+
+def agent_pod_kubeconfig(cluster: Cluster, namespace: str, pod_name: str, role: str, directory: Path) -> Path:
+    """A Pod object of the chart's agent ServiceAccount and a kubeconfig with a token bound
+    to it, as that pod would mount: the agent's real rights and admission rules."""
+    admin = cluster.kube(namespace)
+    service_account_kubeconfig(cluster, namespace, AGENT_SA, role, directory)  # the ServiceAccount first
+    pod = admin.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name},
+                              "spec": {"serviceAccountName": AGENT_SA, "automountServiceAccountToken": False,
+                                       "containers": [{"name": "agent", "image": "agent:dev"}]}})
+    return service_account_kubeconfig(cluster, namespace, AGENT_SA, role, directory, pod=pod)
 
 
 # -- processes -------------------------------------------------------------------------------

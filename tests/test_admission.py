@@ -8,24 +8,14 @@ from typing import Any
 
 import pytest
 
-from conftest import Cluster, make_task, service_account_kubeconfig, wait_for
+from conftest import AGENT_SA, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
 from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
-from tasklease.kube import LEASES, PODS, Kube
-
-AGENT_SA = "tasklease-agent"
-
+from tasklease.kube import LEASES, Kube
 
 def _agent_pod(cluster: Cluster, namespace: str, name: str, role: str, tmp_path: Path) -> Kube:
-    """A Pod object and a kubeconfig with a token bound to it, as the pod would mount."""
-    admin = cluster.kube(namespace)
-    service_account_kubeconfig(cluster, namespace, AGENT_SA, role, tmp_path)  # the ServiceAccount first
-    pod = admin.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-                              "spec": {"serviceAccountName": AGENT_SA, "automountServiceAccountToken": False,
-                                       "containers": [{"name": "agent", "image": "agent:dev"}]}})
-    return Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA, role, tmp_path,
-                                                                  pod=pod)))
+    return Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, name, role, tmp_path)))
 
 
 def _refused(write: Any, message: str) -> None:

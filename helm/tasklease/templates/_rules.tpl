@@ -24,7 +24,7 @@
   - list
   - watch
   - create
-  - update
+  - patch
   - delete
 - apiGroups:
   - ''
@@ -47,6 +47,7 @@
   resources:
   - customresourcedefinitions
   verbs:
+  - get
   - list
   - watch
 - apiGroups:
@@ -75,5 +76,11 @@
   - list
   - watch
   - create
-  - update
+  - patch
+- apiGroups:
+  - ''
+  resources:
+  - namespaces
+  verbs:
+  - get
 {{- end }}

@@ -21,6 +21,9 @@ KIND: Final = "Task"
 MAX_RESULT_BYTES: Final = 8192
 MAX_ERROR_CHARS: Final = 1024
 MAX_HISTORY: Final = 10
+# The API server accepts objects nested up to 10,000 levels; a payload deeper than this is
+# refused by the claim rule and failed by the operator (reason InvalidPayload).
+MAX_PAYLOAD_DEPTH: Final = 64
 DNS_LABEL: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -91,6 +94,20 @@ class TaskSpec(_Model):
     cancel: bool = Field(
         default=False,
         description="Set to true to cancel: the current holder loses its lease and the task ends Cancelled.")
+
+
+def payload_depth(value: Any) -> int:
+    """How deeply `value` nests objects and arrays (a scalar is 0), without recursing: a
+    payload nested thousands of levels deep must not take down whoever measures it."""
+    depth = 0
+    level: list[Any] = [value]
+    while level:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            break
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 class Phase(enum.StrEnum):

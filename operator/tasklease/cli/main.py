@@ -6,11 +6,12 @@ The exit codes are `tasklease.api.errors.exit_codes()`, printed by `tasklease --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import yaml
 
 from tasklease.api import errors, models, timestamps
 from tasklease.agent.sdk import Agent, Identity
-from tasklease.kube import EVENTS, TASKS, Kube
+from tasklease.kube import EVENTS, NAMESPACES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 
 EPILOG = "exit codes:\n" + "".join(f"  {code:>3}  {meaning}\n" for code, meaning in errors.exit_codes()) + """
@@ -208,9 +209,11 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 
 def cmd_claim(args: argparse.Namespace) -> int:
-    agent = Agent(_kube(args), identity=Identity.from_environment(handed_over=True))
-    task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
-            else agent.claim_once(args.queue))
+    kube = _kube(args)
+    agent = Agent(kube, identity=Identity.from_environment(handed_over=True))
+    with _no_such_namespace_is_not_found(kube):
+        task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
+                else agent.claim_once(args.queue))
     # The CLI returns at once: the caller renews (tasklease renew) from here on.
     task.detach()
     out = {"name": task.name, "namespace": task.namespace, "epoch": task.epoch, "holder": task.holder,
@@ -276,8 +279,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
-    agent = Agent(_kube(args), identity=Identity.from_environment())
-    return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace).run(loop=args.loop, wait_s=args.wait)
+    kube = _kube(args)
+    agent = Agent(kube, identity=Identity.from_environment())
+    with _no_such_namespace_is_not_found(kube):
+        return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace).run(loop=args.loop, wait_s=args.wait)
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
@@ -292,6 +297,21 @@ def cmd_operator(args: argparse.Namespace) -> int:
 def _kube(args: argparse.Namespace) -> Kube:
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, namespace=args.namespace)
     return kube
+
+
+@contextlib.contextmanager
+def _no_such_namespace_is_not_found(kube: Kube) -> Iterator[None]:
+    """An empty queue and a namespace that does not exist both list no tasks: tell them apart."""
+    try:
+        yield
+    except errors.NothingToClaim:
+        try:
+            kube.get(NAMESPACES, kube.namespace)
+        except errors.NotFound:
+            raise errors.NotFound(f"namespace {kube.namespace!r} does not exist") from None
+        except errors.Forbidden:
+            pass  # we may not look: an empty queue it is
+        raise
 
 
 def _held_by_args(args: argparse.Namespace) -> tuple[Kube, Protocol]:

@@ -10,16 +10,21 @@ kopf choices, on purpose (see docs/operator.md):
   with the synchronous client, never on kopf's event loop.
 - kopf posts no Events of its own (`settings.posting.enabled = False`); the reconciler
   posts one per task transition. Peering is off (`standalone`): HA is a Lease election.
+- `Health` checks what kopf does not: our rights (readiness fails and says which are
+  missing), the reconciler and election threads (liveness), and the Task CRD's identity:
+  when the CRD is deleted and recreated, kopf's watches are restarted.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -29,8 +34,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tasklease.api import errors, models
 from tasklease.operator import metrics
 from tasklease.protocol import record
-from tasklease.kube import Kube
+from tasklease.kube import CRDS, LEASES, PODS, TASKS, Kube
 from tasklease.operator.leader import ElectionConfig, LeaderElector
+from tasklease.operator.options import validate
 from tasklease.operator.reconciler import Reconciler
 
 log = logging.getLogger("tasklease.operator")
@@ -39,8 +45,7 @@ AGENT_POD_SELECTOR = "tasklease.dev/agent=true"
 
 
 def run_operator(args: argparse.Namespace) -> int:
-    if args.all_namespaces and args.namespaces:
-        raise errors.Invalid("--all-namespaces and --namespace exclude each other")
+    validate(args)
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
     reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers)
@@ -54,9 +59,13 @@ def run_operator(args: argparse.Namespace) -> int:
             lease_duration_s=duration, renew_deadline_s=duration * 2 / 3, retry_period_s=max(duration / 7.5, 0.2))
         elector = LeaderElector(kube, config, identity=identity, on_started=reconciler.activate,
                                 on_stopped=reconciler.deactivate)
-    server = _serve_http(args.http_host, args.http_port, reconciler, ready) if args.http_port else None
     workers = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler", daemon=True)
+    health = Health(kube, reconciler, namespaces=args.namespaces, threads=[workers],
+                    elector_alive=elector.alive if elector else None)
+    health.check()
+    server = _serve_http(args.http_host, args.http_port, ready, health) if args.http_port else None
     workers.start()
+    threading.Thread(target=health.run, args=(stop,), name="health", daemon=True).start()
     if elector is not None:
         elector.start()
     else:
@@ -65,27 +74,100 @@ def run_operator(args: argparse.Namespace) -> int:
              "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
-        _run_kopf(reconciler, kube, args, ready, identity)
+        while _run_kopf(reconciler, kube, args, ready, identity, health):
+            ready.clear()
     finally:
         stop.set()
         if elector is not None:
-            elector.stop()
+            elector.stop(timeout_s=2.0)  # hands the Lease over if we lead
         if server is not None:
             server.shutdown()
+        log.info("operator %s stopped", identity)
     return 0
 
 
 def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event,
-              identity: str) -> None:
+              identity: str, health: Health) -> bool:
+    """Run kopf until SIGTERM/SIGINT (False) or until the Task CRD is recreated (True)."""
+    # An asyncio.Event on our own loop, not a threading.Event or a concurrent Future: kopf
+    # waits for those in an executor thread that cannot be cancelled, which hangs its
+    # shutdown on SIGTERM.
+    loop = asyncio.new_event_loop()
+    restart = asyncio.Event()
+    health.on_crd_recreated = lambda: loop.call_soon_threadsafe(restart.set)
     registry = _registry(reconciler, kube)
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # Our identity, not kopf's default: that asks getpass.getuser(), which fails for a uid
     # without a passwd entry (the image's 65532).
-    kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
-             namespaces=args.namespaces or (), ready_flag=ready,
-             identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
+    try:
+        kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
+                 namespaces=args.namespaces or (), ready_flag=ready, stop_flag=restart, loop=loop,
+                 identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
+    finally:
+        health.on_crd_recreated = lambda: None
+        loop.close()
+    if restart.is_set():
+        log.warning("the Task CRD was recreated: restarting the watches")
+    return restart.is_set()
+
+
+class Health:
+    """Readiness and liveness beyond kopf's own start, checked every `interval_s`."""
+
+    def __init__(self, kube: Kube, reconciler: Reconciler, *, namespaces: list[str] | None,
+                 threads: list[threading.Thread], elector_alive: Callable[[], bool] | None,
+                 interval_s: float = 10.0) -> None:
+        self.kube = kube
+        self.reconciler = reconciler
+        self.namespaces = namespaces
+        self.threads = threads
+        self.elector_alive = elector_alive
+        self.interval_s = interval_s
+        self.problem = ""  # why we are not ready, from the last check
+        self.on_crd_recreated: Callable[[], object] = lambda: None
+        self._crd_uid = ""
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval_s):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the health check must outlive its own bugs
+                log.exception("health check failed")
+
+    def check(self) -> None:
+        """Our rights to what we watch, and the CRD's identity."""
+        problem = ""
+        try:
+            crd = self.kube.get(CRDS, f"{models.PLURAL}.{models.GROUP}", timeout=10)
+            uid = crd["metadata"]["uid"]
+            if self._crd_uid and uid != self._crd_uid:
+                self.on_crd_recreated()
+            self._crd_uid = uid
+            scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
+            for ns in scopes:
+                for res in (TASKS, LEASES, PODS):
+                    self.kube.list(res, namespace=ns, all_namespaces=ns is None, limit=1, timeout=10)
+        except errors.NotFound:
+            problem = f"the Task CRD ({models.PLURAL}.{models.GROUP}) is not installed"
+        except (errors.Forbidden, errors.CRDMissing) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        except errors.TaskleaseError as exc:
+            problem = f"the API server does not answer: {exc}"
+        if problem and problem != self.problem:
+            log.error("not ready: %s", problem)
+        self.problem = problem
+
+    def not_ready(self) -> str:
+        return self.problem or self.reconciler.problem or self.dead()
+
+    def dead(self) -> str:
+        """Why the process should be restarted: a thread it cannot live without has died."""
+        gone = [t.name for t in self.threads if not t.is_alive()]
+        if self.elector_alive is not None and not self.elector_alive():
+            gone.append("leader-election")
+        return f"thread(s) died: {', '.join(gone)}" if gone else ""
 
 
 def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
@@ -133,17 +215,24 @@ def _connection_info(kube: Kube) -> kopf.ConnectionInfo:
         scheme=scheme or None, token=value or None, default_namespace=kube.namespace)
 
 
-def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.Event) -> ThreadingHTTPServer:
+def _serve_http(host: str, port: int, ready: threading.Event, health: Health) -> ThreadingHTTPServer:
+    reconciler = health.reconciler
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path == "/metrics":
                 self._reply(200, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
-                self._reply(200, b"ok\n")
+                dead = health.dead()
+                self._reply(503 if dead else 200, (dead or "ok").encode() + b"\n")
             elif self.path == "/readyz":
                 role = b"leader" if reconciler.active.is_set() else b"standby"
-                state = b"ready " if ready.is_set() else b"starting "
-                self._reply(200 if ready.is_set() else 503, state + role + b"\n")
+                why = health.not_ready()
+                if why:
+                    self._reply(503, b"not ready: " + why.encode() + b"\n")
+                else:
+                    state = b"ready " if ready.is_set() else b"starting "
+                    self._reply(200 if ready.is_set() else 503, state + role + b"\n")
             else:
                 self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
 

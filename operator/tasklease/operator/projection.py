@@ -36,6 +36,9 @@ def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, n
         status = TaskStatus(phase=Phase.PENDING, reason="Waiting", attempt=old.attempt, history=old.history)
     else:
         status = _from_lease(rec)
+    # The attempt is a fencing epoch: it never goes down, even if the Lease's leaseTransitions
+    # was lowered by hand (the next claim then starts above this, see rules.attempts_made).
+    status.attempt = max(status.attempt, old.attempt)
     status.observed_generation = generation
     status.conditions = _conditions(status, old.conditions, generation=generation, now=now)
     return status

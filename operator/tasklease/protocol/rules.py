@@ -52,6 +52,7 @@ class Blocker(enum.Enum):
     FOREIGN = "foreign"  # its Lease belongs to an older task of the same name
     CLOSED = "closed"
     CANCELLED = "cancelled"
+    INVALID_PAYLOAD = "invalid-payload"  # nested deeper than models.MAX_PAYLOAD_DEPTH
     PAST_DEADLINE = "past-deadline"
     HELD = "held"
     SPENT = "spent"
@@ -68,13 +69,15 @@ def blocker(task: TaskView, rec: LeaseRecord | None, now: datetime) -> Blocker |
         return Blocker.CLOSED
     if task.spec.cancel:
         return Blocker.CANCELLED
+    if models.payload_depth(task.spec.payload) > models.MAX_PAYLOAD_DEPTH:
+        return Blocker.INVALID_PAYLOAD
     if task.spec.deadline is not None and now >= task.spec.deadline:
         return Blocker.PAST_DEADLINE
     if rec is None:
         return None
     if rec.state == HELD:
         return Blocker.HELD
-    if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
+    if attempts_made(task, rec) >= task.spec.max_attempts:
         return Blocker.SPENT
     if rec.not_before is not None and now < rec.not_before:
         return Blocker.BACKING_OFF
@@ -96,24 +99,30 @@ def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) ->
         return f"held by {rec.holder}"
     if rec is not None and found is Blocker.BACKING_OFF:
         return f"backing off until {format_time(rec.not_before)}"
+    if found is Blocker.INVALID_PAYLOAD:
+        return invalid_payload(task.spec)
     return {Blocker.CANCELLED: "cancelled", Blocker.PAST_DEADLINE: "past its deadline"}.get(found, "attempts spent")
-    if rec.owner_uid != task.uid:
-        return "its Lease belongs to an older task of the same name"
-    if rec.state == CLOSED:
-        return f"closed ({rec.outcome})"
-    if rec.state == HELD:
-        return f"held by {rec.holder}"
-    if rec.not_before is not None and now < rec.not_before:
-        return f"backing off until {format_time(rec.not_before)}"
-    if max(rec.epoch, task.status_attempt) >= task.spec.max_attempts:
-        return "attempts spent"
-    return None
+
+
+def invalid_payload(spec: models.TaskSpec) -> str:
+    return (f"its payload is nested {models.payload_depth(spec.payload)} levels deep; "
+            f"the limit is {models.MAX_PAYLOAD_DEPTH}")
+
+
+def attempts_made(task: TaskView, rec: LeaseRecord | None) -> int:
+    """The highest epoch ever handed out for `task`, from every place that remembers one: the
+    Lease (whose leaseTransitions anyone with rights can lower by hand), its attempt history,
+    and the status projection (which survives the Lease's deletion). Fencing needs the next
+    epoch to exceed all of them."""
+    epochs = [task.status_attempt]
+    if rec is not None:
+        epochs += [rec.epoch, *(a.attempt for a in rec.history)]
+    return max(epochs)
 
 
 def claimed(task: TaskView, rec: LeaseRecord | None, holder: str, now: datetime) -> LeaseRecord:
     base = rec or fresh_record(task)
-    # The status projection remembers the epoch even if the Lease was deleted by hand.
-    epoch = max(base.epoch, task.status_attempt) + 1
+    epoch = attempts_made(task, rec) + 1
     entry = models.Attempt(attempt=epoch, holder=holder, claimed_at=now)
     return replace(base, holder=holder, epoch=epoch, duration_s=task.spec.lease_duration_seconds,
                    acquired_at=now, renewed_at=now, not_before=None,
@@ -130,7 +139,8 @@ def ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", c
         history = (*history[:-1], last)
     # lastError tells why a task is not done yet; a success has nothing left to explain.
     error = "" if close == models.Phase.SUCCEEDED.value else (
-        message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") else rec.error)
+        message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") or close == models.Phase.FAILED.value
+        else rec.error)
     return replace(rec, holder="", renewed_at=now, outcome=close, reason=reason, result=result,
                    error=error, not_before=not_before, history=history)
 
