@@ -26,7 +26,7 @@ import yaml
 from tasklease.api import errors
 from tasklease.kube import NAMESPACES, PODS, TASKS, Kube, Resource
 from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig
+from tasklease.dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
 from tasklease.dev.crds import apply_crds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,10 +263,11 @@ def operator(operator_factory: Callable[..., Operator]) -> Operator:
 def read_audit(path: Path, *, namespace: str, resource: str | None = None) -> list[dict[str, Any]]:
     """Audit events of one namespace, in the order the API server logged them."""
     out = []
-    with open(path) as f:
-        for line in f:
-            event = json.loads(line)
-            ref = event.get("objectRef") or {}
-            if ref.get("namespace") == namespace and (resource is None or ref.get("resource") == resource):
-                out.append(event)
+    for part in audit_files(path):  # rotated files too: a long-lived cluster's log rotates
+        with open(part) as f:
+            for line in f:
+                event = json.loads(line)
+                ref = event.get("objectRef") or {}
+                if ref.get("namespace") == namespace and (resource is None or ref.get("resource") == resource):
+                    out.append(event)
     return out

@@ -33,3 +33,16 @@ def test_a_watch_that_keeps_ending_resumes_from_its_last_version_without_missing
     assert sorted(seen) == sorted(f"ADDED l-{i:02d}" for i in range(40))  # each once, none missed
     assert reflector.lists == 1  # resumed from resourceVersions, never listed again
     assert reflector.watches >= 5
+
+
+def test_a_watch_without_rights_stops_and_says_why(cluster, namespace: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import service_account_kubeconfig
+    from tasklease.api import errors
+
+    nobody = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, "watch-nobody",
+                                                                    "no-such-role", tmp_path)))
+    reflector = Reflector(nobody, LEASES, namespace=namespace, listener=lambda kind, obj: None)
+    reflector.start()
+    reflector._thread.join(30)
+    assert not reflector._thread.is_alive()  # no retry loop against a permanent refusal
+    assert isinstance(reflector.error, errors.Forbidden)

@@ -10,9 +10,10 @@ kopf choices, on purpose (see docs/operator.md):
   with the synchronous client, never on kopf's event loop.
 - kopf posts no Events of its own (`settings.posting.enabled = False`); the reconciler
   posts one per task transition. Peering is off (`standalone`): HA is a Lease election.
-- `Health` checks what kopf does not: our rights (readiness fails and says which are
-  missing), the reconciler and election threads (liveness), and the Task CRD's identity:
-  when the CRD is deleted and recreated, kopf's watches are restarted.
+- `Health` checks what kopf does not: our rights at start (readiness fails and says which
+  are missing, rechecked until fixed), the reconciler and election threads (liveness),
+  and the Task CRD's identity, from a watch of that one CRD: when it is deleted and
+  recreated, kopf's watches are restarted. A healthy idle operator makes no request.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tasklease.api import errors, models
 from tasklease.operator import metrics
 from tasklease.protocol import record
-from tasklease.kube import CRDS, LEASES, PODS, TASKS, Kube
+from tasklease.kube import CRDS, JSON, LEASES, PODS, TASKS, Kube
 from tasklease.operator.leader import ElectionConfig, LeaderElector
 from tasklease.operator.options import validate
 from tasklease.operator.reconciler import Reconciler
@@ -42,6 +43,7 @@ from tasklease.operator.reconciler import Reconciler
 log = logging.getLogger("tasklease.operator")
 
 AGENT_POD_SELECTOR = "tasklease.dev/agent=true"
+CRD_NAME = f"{models.PLURAL}.{models.GROUP}"
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -95,7 +97,7 @@ def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, read
     loop = asyncio.new_event_loop()
     restart = asyncio.Event()
     health.on_crd_recreated = lambda: loop.call_soon_threadsafe(restart.set)
-    registry = _registry(reconciler, kube)
+    registry = _registry(reconciler, kube, health)
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -114,7 +116,8 @@ def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, read
 
 
 class Health:
-    """Readiness and liveness beyond kopf's own start, checked every `interval_s`."""
+    """Readiness and liveness beyond kopf's own start. Requests only at start and, while
+    something is wrong, every `interval_s` until it is fixed."""
 
     def __init__(self, kube: Kube, reconciler: Reconciler, *, namespaces: list[str] | None,
                  threads: list[threading.Thread], elector_alive: Callable[[], bool] | None,
@@ -131,20 +134,31 @@ class Health:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self.interval_s):
+            if not self.problem:
+                continue
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - the health check must outlive its own bugs
                 log.exception("health check failed")
 
+    def on_crd(self, kind: str, obj: JSON) -> None:
+        """A watch event of the Task CRD."""
+        if kind == "DELETED":
+            self.problem = f"the Task CRD ({models.PLURAL}.{models.GROUP}) was deleted"
+            log.error("not ready: %s", self.problem)
+            return
+        uid = obj["metadata"]["uid"]
+        if self._crd_uid and uid != self._crd_uid:
+            self.problem = ""
+            self.on_crd_recreated()
+        self._crd_uid = uid
+
     def check(self) -> None:
         """Our rights to what we watch, and the CRD's identity."""
         problem = ""
         try:
-            crd = self.kube.get(CRDS, f"{models.PLURAL}.{models.GROUP}", timeout=10)
-            uid = crd["metadata"]["uid"]
-            if self._crd_uid and uid != self._crd_uid:
-                self.on_crd_recreated()
-            self._crd_uid = uid
+            crd = self.kube.get(CRDS, CRD_NAME, timeout=10)
+            self.on_crd("ADDED", crd)
             scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
             for ns in scopes:
                 for res in (TASKS, LEASES, PODS):
@@ -170,13 +184,15 @@ class Health:
         return f"thread(s) died: {', '.join(gone)}" if gone else ""
 
 
-def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
+def _registry(reconciler: Reconciler, kube: Kube, health: Health) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.watching.label_selectors["coordination.k8s.io", "leases"] = record.MANAGED_SELECTOR
         settings.watching.label_selectors["v1", "pods"] = AGENT_POD_SELECTOR
+        settings.watching.field_selectors["apiextensions.k8s.io", "customresourcedefinitions"] = \
+            f"metadata.name={CRD_NAME}"
         settings.posting.enabled = False
         # Reconnect at least every 5 minutes; kopf's inactivity timeout (70 s, with
         # bookmarks) catches a silently dead stream sooner.
@@ -194,6 +210,10 @@ def _registry(reconciler: Reconciler, kube: Kube) -> kopf.OperatorRegistry:
     @kopf.on.event("coordination.k8s.io", "v1", "leases", registry=registry)
     async def lease_event(event: kopf.RawEvent, **_: Any) -> None:
         reconciler.on_lease(event.get("type") or "ADDED", dict(event["object"]))
+
+    @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=registry)
+    async def crd_event(event: kopf.RawEvent, **_: Any) -> None:
+        health.on_crd(event.get("type") or "ADDED", dict(event["object"]))
 
     @kopf.on.event("v1", "pods", registry=registry)
     async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
