@@ -176,7 +176,7 @@ class Chaos:
     def run(self) -> None:
         deadline = time.monotonic() + self.args.timeout
         next_fault = time.monotonic() + 2
-        while not self._all_terminal():
+        while not self._all_terminal() or self.planned:  # every kind of fault at least once
             if time.monotonic() > deadline:
                 self.figures.violations.append(f"not every task terminal after {self.args.timeout:.0f}s")
                 return
