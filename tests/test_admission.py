@@ -18,6 +18,11 @@ def _agent_pod(cluster: Cluster, namespace: str, name: str, role: str, tmp_path:
     return Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, name, role, tmp_path)))
 
 
+def _patch(kube: Kube, lease: dict[str, Any]) -> None:
+    """A hand-made write as an agent may send it (agents may patch Leases, not PUT them)."""
+    kube.merge_patch(LEASES, lease["metadata"]["name"], lease)
+
+
 def _refused(write: Any, message: str) -> None:
     with pytest.raises(errors.TaskleaseError) as refused:
         write()
@@ -43,23 +48,23 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
 
     takeover = copy.deepcopy(held)
     takeover["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
-    _refused(lambda: bob_kube.replace(LEASES, takeover), "this lease is held by another pod")
+    _refused(lambda: _patch(bob_kube, takeover), "this lease is held by another pod")
     impersonation = copy.deepcopy(held)
     impersonation["spec"]["holderIdentity"] = "alice/evil"
-    _refused(lambda: bob_kube.replace(LEASES, impersonation), "only hold a lease in its own pod's name")
+    _refused(lambda: _patch(bob_kube, impersonation), "only hold a lease in its own pod's name")
     lowered = copy.deepcopy(held)
     lowered["spec"]["leaseTransitions"] = 0
-    _refused(lambda: alice_kube.replace(LEASES, lowered), "never goes down")
+    _refused(lambda: _patch(alice_kube, lowered), "never goes down")
     handover = copy.deepcopy(held)
     handover["spec"]["holderIdentity"] = "alice/2"
-    _refused(lambda: alice_kube.replace(LEASES, handover), "cannot hand its lease")
+    _refused(lambda: _patch(alice_kube, handover), "cannot hand its lease")
     _refused(lambda: alice_kube.delete(LEASES, "guarded"), "forbidden")  # RBAC: agents never delete
 
     task.complete("done")  # the holder's fair completion passes
     closed = kube.get(LEASES, "guarded")
     reopened = copy.deepcopy(closed)
     reopened["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
-    _refused(lambda: bob_kube.replace(LEASES, reopened), "a finished task never runs again")
+    _refused(lambda: _patch(bob_kube, reopened), "a finished task never runs again")
 
     unbound = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA,
                                                                      chart_roles["agent"], tmp_path)))

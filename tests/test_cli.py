@@ -105,7 +105,7 @@ def test_a_failing_command_is_retried_then_dead_lettered(cli, kube: Kube) -> Non
 @pytest.mark.parametrize(("args", "code", "says"), [
     (("claim", "--queue", "empty"), 3, "nothing claimable in queue 'empty'"),
     (("get", "missing"), 5, "not found"),
-    (("complete", "missing", "--holder", "me/1", "--epoch", "1"), 4, "lease is gone"),
+    (("complete", "missing", "--holder", "me/1", "--epoch", "1"), 5, "does not exist"),
     (("submit", "--queue", "Not_A_Label"), 9, "spec.queue"),
     (("requeue", "missing"), 5, "not found"),
 ])
