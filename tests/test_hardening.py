@@ -282,3 +282,57 @@ def test_sigterm_stops_the_operator_cleanly(operator_factory) -> None:  # type: 
     assert op.stop() == 0
     assert "Traceback" not in op.output()
     assert "operator" in op.output().splitlines()[-1] and "stopped" in op.output().splitlines()[-1]
+
+
+# -- documented but untested behaviours --------------------------------------------------------
+
+
+def test_cli_submit_file_list_all_describe_claim_wait_release_requeue_and_fail_final(
+        cluster: Cluster, kube: Kube, namespace: str, tmp_path: Path) -> None:
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+
+    def cli(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(tasklease_cmd(args[0], f"--kubeconfig={config}", *args[1:]), capture_output=True,
+                              text=True, timeout=60, input=input, env={**os.environ, "POD_NAME": "cli-pod"})
+
+    manifest = "\n---\n".join(
+        f"apiVersion: tasklease.dev/v1alpha1\nkind: Task\nmetadata: {{name: {n}}}\n"
+        f"spec: {{queue: cq, maxAttempts: 5, backoff: {{initialSeconds: 0, maxSeconds: 0}}}}" for n in ("one", "two"))
+    assert cli("submit", "-f", "-", input=manifest).returncode == 0
+    everywhere = cli("list", "-A")
+    assert everywhere.returncode == 0 and namespace in everywhere.stdout and "one" in everywhere.stdout
+
+    claimed = json.loads(cli("claim", "--queue", "cq", "--wait", "30").stdout)
+    who = ["--holder", claimed["holder"], "--epoch", str(claimed["epoch"])]
+    assert cli("release", claimed["name"], *who).returncode == 0
+    rec = record.decode(kube.get(LEASES, claimed["name"]))
+    assert (rec.state, rec.history[-1].outcome) == (record.FREE, "Released")
+
+    again = json.loads(cli("claim", "--queue", "cq").stdout)
+    assert cli("requeue", again["name"]).returncode == 0  # a successful requeue frees it at once
+    assert record.decode(kube.get(LEASES, again["name"])).state == record.FREE
+
+    last = json.loads(cli("claim", "--queue", "cq").stdout)
+    done = cli("fail", last["name"], "--holder", last["holder"], "--epoch", str(last["epoch"]), "-m", "no", "--final")
+    assert done.returncode == 0, done.stderr
+    final = record.decode(kube.get(LEASES, last["name"]))
+    assert (final.outcome, final.reason, final.error) == ("Failed", "Failed", "no")  # not retried
+    described = cli("describe", last["name"])
+    assert described.returncode == 0 and "Failed" in described.stdout and last["holder"] in described.stdout
+
+
+def test_run_on_sigterm_releases_and_exits_143_and_grace_escalates_to_sigkill(
+        cluster: Cluster, kube: Kube, namespace: str, tmp_path: Path) -> None:
+    make_task(kube, "stubborn", queue="st", leaseDurationSeconds=30)
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    pidfile = tmp_path / "pid"
+    # A command that ignores SIGTERM: only the SIGKILL after --grace ends it.
+    runner = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "st", "--grace", "1", "--",
+                                   "sh", "-c", f"trap '' TERM; echo $$ > {pidfile}; while true; do sleep 0.1; done"),
+                     log=tmp_path / "run.log", env={"POD_NAME": "stopper"})
+    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), message="the command to start"))
+    runner.kill(signal.SIGTERM)
+    assert runner.wait(60) == errors.RUN_STOPPED, runner.output()
+    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)  # SIGKILLed after the grace period
+    rec = record.decode(kube.get(LEASES, "stubborn"))
+    assert (rec.state, rec.history[-1].outcome) == (record.FREE, "Released")
