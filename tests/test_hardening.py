@@ -336,3 +336,41 @@ def test_run_on_sigterm_releases_and_exits_143_and_grace_escalates_to_sigkill(
     assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)  # SIGKILLed after the grace period
     rec = record.decode(kube.get(LEASES, "stubborn"))
     assert (rec.state, rec.history[-1].outcome) == (record.FREE, "Released")
+
+
+def test_operator_deadline_lowered_max_attempts_orphans_and_metrics(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    soon = (datetime.now(UTC) + timedelta(seconds=3)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    make_task(kube, "late", queue="never-worked", deadline=soon)
+    status = wait_for(lambda: _status(kube, "late").get("phase") == "Failed" and _status(kube, "late"),
+                      timeout=60, message="DeadlineExceeded")
+    assert status["reason"] == "DeadlineExceeded"
+
+    make_task(kube, "lowered-max", queue="lm", maxAttempts=3, **FAST)
+    agent = Agent(kube, identity=Identity(pod="lm", instance="1"))
+    for _ in range(2):
+        agent.claim("lm", timeout=30).release()
+    kube.merge_patch(TASKS, "lowered-max", {"spec": {"maxAttempts": 1}})  # below the 2 attempts made
+    status = wait_for(lambda: _status(kube, "lowered-max").get("phase") == "Failed" and _status(kube, "lowered-max"),
+                      timeout=60, message="dead-lettered after maxAttempts was lowered")
+    assert status["reason"] == "DeadLettered"
+
+    # A Lease left by an older Task of the same name: removed, and the new Task runs from epoch 1.
+    old = make_task(kube, "reborn", queue="rb")
+    agent.claim("rb", timeout=30).detach()
+    kube.delete(TASKS, "reborn")
+    make_task(kube, "reborn", queue="rb")
+    wait_for(lambda: (kube.get_or_none(LEASES, "reborn") or {}).get("metadata", {}).get("ownerReferences", [{}])[0]
+             .get("uid") != old["metadata"]["uid"], timeout=60, message="the old Lease removed")
+    fresh = agent.claim("rb", timeout=30)
+    assert fresh.epoch == 1
+    fresh.complete("new life")
+    wait_for(lambda: _status(kube, "reborn").get("phase") == "Succeeded", message="the new task done")
+    agent.close()
+
+    assert operator.metric("tasklease_claims_total") >= 4
+    assert operator.metric("tasklease_dead_letters_total") >= 1
+    assert operator.metric("tasklease_completions_total") >= 3
+    assert operator.metric("tasklease_operator_leader") == 1

@@ -134,3 +134,10 @@ def test_status_never_moves_the_attempt_down() -> None:
     old = models.TaskStatus(phase=models.Phase.RUNNING, attempt=3)
     lowered = _free(_task(), epoch=0, holder="pod/1")
     assert projection.project(task, lowered, old=old, now=NOW).attempt == 3
+
+
+def test_the_backoff_formula() -> None:
+    exp = models.Backoff(initial_seconds=5, max_seconds=60)
+    assert [exp.delay_after(n) for n in range(1, 7)] == [5, 10, 20, 40, 60, 60]
+    fixed = models.Backoff(policy=models.BackoffPolicy.FIXED, initial_seconds=7, max_seconds=60)
+    assert [fixed.delay_after(n) for n in (1, 5)] == [7, 7]

@@ -180,6 +180,11 @@ class Chaos:
             if time.monotonic() > deadline:
                 self.figures.violations.append(f"not every task terminal after {self.args.timeout:.0f}s")
                 return
+            for i, agent in enumerate(self.agents):
+                code = agent.popen.poll() if agent.popen else None
+                if code is not None:  # exited by itself: `run --loop` must survive faults
+                    self.figures.violations.append(f"{agent.name} exited with code {code}")
+                    self.agents[i] = self._agent(agent.name)
             if time.monotonic() >= next_fault:
                 self._fault()
                 next_fault = time.monotonic() + self.rng.uniform(0.5, 1.5) * self.args.fault_every
@@ -203,8 +208,8 @@ class Chaos:
             assert victim.popen is not None
             self.kills.append((time.time(), f"{victim.name}/{victim.popen.pid}."))
             victim.kill()
-            base = victim.name.split("~")[0]
-            pod = victim.name if kind == "agent-kill-same" else f"{base}~{self.rng.randrange(1 << 20):x}"
+            base = victim.name.split("-r")[0]  # a pod name is a DNS label: agent-3, agent-3-r4da17
+            pod = victim.name if kind == "agent-kill-same" else f"{base}-r{self.rng.randrange(1 << 20):x}"
             self.agents[i] = self._agent(pod)
         elif kind == "agent-stop":
             victim = self.rng.choice(self.agents)
@@ -389,8 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     chaos = Chaos(args)
     try:
         chaos.setup()
-        chaos.run()
-        chaos.check()
+        try:
+            chaos.run()
+            chaos.check()
+        except (RuntimeError, OSError, errors.TaskleaseError) as exc:  # the harness itself failed: say so
+            chaos.figures.violations.append(f"the run stopped early: {type(exc).__name__}: {str(exc)[:300]}")
     finally:
         chaos.teardown()
     return chaos.report()

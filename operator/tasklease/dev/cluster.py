@@ -157,6 +157,11 @@ class LocalCluster:
                 _reap(pid)
                 time.sleep(0.05)
         _reap(pid)
+        # A killed Go process shows as a zombie while its other threads still hold its
+        # sockets: wait until its port can be bound again.
+        port = {"etcd": state.etcd_port, "kube-apiserver": state.apiserver_port}.get(component)
+        if port is not None:
+            _wait_port_free(port)
         bins = binaries.ensure_kubernetes()
         pki = self._pki_paths()
         if component == "etcd":
@@ -344,6 +349,21 @@ def audit_files(log: Path) -> list[Path]:
     """`log` and its rotated backups (`audit-<time>.log`), oldest first."""
     backups = sorted(log.parent.glob(f"{log.stem}-*{log.suffix}"))
     return [*backups, log] if log.exists() else backups
+
+
+def _wait_port_free(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {port} still in use {timeout_s:.0f}s after its process was killed") \
+                        from None
+        time.sleep(0.1)
 
 
 def free_port() -> int:
