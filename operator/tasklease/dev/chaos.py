@@ -175,7 +175,7 @@ class Chaos:
 
     def run(self) -> None:
         deadline = time.monotonic() + self.args.timeout
-        next_fault = time.monotonic() + 2
+        next_fault = time.monotonic() + 10  # the fleet at work first
         while not self._all_terminal() or self.planned:  # every kind of fault at least once
             if time.monotonic() > deadline:
                 self.figures.violations.append(f"not every task terminal after {self.args.timeout:.0f}s")
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=6)
     p.add_argument("--operators", type=int, default=2)
     p.add_argument("--work-s", type=float, default=0.1, help="seconds each command works")
-    p.add_argument("--fault-every", type=float, default=6.0, help="mean seconds between faults")
+    p.add_argument("--fault-every", type=float, default=3.0, help="mean seconds between faults")
     p.add_argument("--timeout", type=float, default=1200.0, help="give up (a violation) after this long")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--workdir", default=".cache/chaos")
