@@ -124,6 +124,8 @@ class Chaos:
     def setup(self) -> None:
         self.cluster.down()
         self.logs.mkdir(parents=True, exist_ok=True)
+        for old in self.logs.glob("*.log"):  # a previous run's logs are not this run's evidence
+            old.unlink()
         self.exec_log.write_text("")
         state = self.cluster.up()
         self.kubeconfig = state.kubeconfig
