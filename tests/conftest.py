@@ -61,9 +61,19 @@ def cluster() -> Iterator[Cluster]:
     state = local.up()
     try:
         apply_crds(kubeconfig=Path(state.kubeconfig), folder=ROOT / "crds")
+        started = Cluster(kubeconfig=Path(state.kubeconfig), audit_log=Path(state.audit_log), version=state.version)
+        wait_for(lambda: _serving_tasks(started.kube()), timeout=60, message="the Task CRD served (no 429)")
         yield Cluster(kubeconfig=Path(state.kubeconfig), audit_log=Path(state.audit_log), version=state.version)
     finally:
         local.down()
+
+
+def _serving_tasks(kube: Kube) -> bool:
+    try:
+        kube.list(TASKS, limit=1)
+        return True
+    except (errors.ServerError, errors.CRDMissing, errors.Unreachable):
+        return False  # a CRD just established answers 429 "storage is (re)initializing" for a moment
 
 
 @pytest.fixture
