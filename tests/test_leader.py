@@ -53,3 +53,25 @@ def test_the_configuration_keeps_the_client_go_relations() -> None:
     with pytest.raises(ValueError):
         ElectionConfig(namespace="x", lease_duration_s=15, renew_deadline_s=10, retry_period_s=9)
     ElectionConfig(namespace="x")  # the defaults hold
+
+
+def test_a_leader_that_cannot_renew_steps_down_after_the_renew_deadline(
+        cluster, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    import uuid
+
+    from tasklease.kube import NAMESPACES
+
+    name = f"lead-{uuid.uuid4().hex[:6]}"
+    admin = cluster.kube()
+    admin.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    kube = cluster.kube(name)
+    stopped = threading.Event()
+    elector = LeaderElector(kube, _config(kube), identity="c", on_started=lambda: None, on_stopped=stopped.set)
+    with caplog.at_level(logging.WARNING, logger="tasklease.operator.leader"):
+        elector.start()
+        assert elector.leading.wait(30)
+        admin.delete(NAMESPACES, name)  # its Lease goes, and no new one may be created there
+        wait_for(lambda: stopped.is_set(), timeout=60, message="stepping down")
+        assert not elector.leading.is_set()
+        elector.stop()
+    assert "lost leadership" in caplog.text

@@ -141,3 +141,19 @@ def test_the_backoff_formula() -> None:
     assert [exp.delay_after(n) for n in range(1, 7)] == [5, 10, 20, 40, 60, 60]
     fixed = models.Backoff(policy=models.BackoffPolicy.FIXED, initial_seconds=7, max_seconds=60)
     assert [fixed.delay_after(n) for n in (1, 5)] == [7, 7]
+
+
+def test_priority_order_then_age_decides_which_candidates_are_tried() -> None:
+    import random
+
+    from tasklease.agent.discovery import pick
+
+    def task(name: str, priority: int, created: str) -> TaskView:
+        return replace(_task(priority=priority), name=name, created=created)
+
+    old, new = "2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"
+    candidates = [(task("low-old", 0, old), None), (task("high-new", 9, new), None),
+                  (task("low-new", 0, new), None), (task("high-old", 9, old), None)]
+    assert {t.name for t, _ in pick(candidates, best_of=2, rng=random.Random(1))} == {"high-new", "high-old"}
+    assert [t.name for t, _ in pick(candidates, best_of=1, rng=random.Random(1))] == ["high-old"]
+    assert [t.name for t, _ in pick(candidates[:1] + candidates[2:3], best_of=1, rng=random.Random(1))] == ["low-old"]
