@@ -22,11 +22,13 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import threading
 import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
 from typing import Any
 
 import kopf
@@ -48,6 +50,9 @@ CRD_NAME = f"{models.PLURAL}.{models.GROUP}"
 
 def run_operator(args: argparse.Namespace) -> int:
     validate(args)
+    # Until kopf installs its own handler (and between its restarts) SIGTERM still means a
+    # clean exit 0 through the `finally` below, not death by signal.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
     reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers)
@@ -86,6 +91,10 @@ def run_operator(args: argparse.Namespace) -> int:
             server.shutdown()
         log.info("operator %s stopped", identity)
     return 0
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event,
