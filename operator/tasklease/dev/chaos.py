@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poison", type=int, default=10, help="tasks whose command always fails")
     p.add_argument("--agents", type=int, default=6)
     p.add_argument("--operators", type=int, default=2)
-    p.add_argument("--work-s", type=float, default=0.1, help="seconds each command works")
+    p.add_argument("--work-s", type=float, default=1.0, help="seconds each command works")
     p.add_argument("--fault-every", type=float, default=3.0, help="mean seconds between faults")
     p.add_argument("--timeout", type=float, default=1200.0, help="give up (a violation) after this long")
     p.add_argument("--seed", type=int, default=None)
