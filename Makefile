@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease.dev
 
-.PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench generate clean
+.PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench chaos generate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -52,6 +52,9 @@ test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBEC
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
 	$(PY) -m tasklease.dev.demo
+
+chaos: build ## 1,000 tasks, 6 agents, 2 operators under random kill -9/SIGSTOP/API-server faults; checks every invariant
+	$(PY) -m tasklease.dev.chaos $(CHAOS_ARGS)
 
 bench: build ## claim throughput and time-to-requeue, beside a baseline measured in the same run
 	$(PY) -m tasklease.dev.bench

@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from tasklease.api import errors
-from tasklease.kube import NAMESPACES, TASKS, Kube, Resource
+from tasklease.kube import NAMESPACES, PODS, TASKS, Kube, Resource
 from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig
+from tasklease.dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
 from tasklease.dev.crds import apply_crds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,9 +61,19 @@ def cluster() -> Iterator[Cluster]:
     state = local.up()
     try:
         apply_crds(kubeconfig=Path(state.kubeconfig), folder=ROOT / "crds")
+        started = Cluster(kubeconfig=Path(state.kubeconfig), audit_log=Path(state.audit_log), version=state.version)
+        wait_for(lambda: _serving_tasks(started.kube()), timeout=60, message="the Task CRD served (no 429)")
         yield Cluster(kubeconfig=Path(state.kubeconfig), audit_log=Path(state.audit_log), version=state.version)
     finally:
         local.down()
+
+
+def _serving_tasks(kube: Kube) -> bool:
+    try:
+        kube.list(TASKS, limit=1)
+        return True
+    except (errors.ServerError, errors.CRDMissing, errors.Unreachable):
+        return False  # a CRD just established answers 429 "storage is (re)initializing" for a moment
 
 
 @pytest.fixture
@@ -155,6 +165,20 @@ def service_account_kubeconfig(cluster: Cluster, namespace: str, name: str, clus
     path = directory / f"{name}-{uuid.uuid4().hex[:6]}.kubeconfig"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+AGENT_SA = "tasklease-agent"
+
+
+def agent_pod_kubeconfig(cluster: Cluster, namespace: str, pod_name: str, role: str, directory: Path) -> Path:
+    """A Pod object of the chart's agent ServiceAccount and a kubeconfig with a token bound
+    to it, as that pod would mount: the agent's real rights and admission rules."""
+    admin = cluster.kube(namespace)
+    service_account_kubeconfig(cluster, namespace, AGENT_SA, role, directory)  # the ServiceAccount first
+    pod = admin.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name},
+                              "spec": {"serviceAccountName": AGENT_SA, "automountServiceAccountToken": False,
+                                       "containers": [{"name": "agent", "image": "agent:dev"}]}})
+    return service_account_kubeconfig(cluster, namespace, AGENT_SA, role, directory, pod=pod)
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -249,10 +273,11 @@ def operator(operator_factory: Callable[..., Operator]) -> Operator:
 def read_audit(path: Path, *, namespace: str, resource: str | None = None) -> list[dict[str, Any]]:
     """Audit events of one namespace, in the order the API server logged them."""
     out = []
-    with open(path) as f:
-        for line in f:
-            event = json.loads(line)
-            ref = event.get("objectRef") or {}
-            if ref.get("namespace") == namespace and (resource is None or ref.get("resource") == resource):
-                out.append(event)
+    for part in audit_files(path):  # rotated files too: a long-lived cluster's log rotates
+        with open(part) as f:
+            for line in f:
+                event = json.loads(line)
+                ref = event.get("objectRef") or {}
+                if ref.get("namespace") == namespace and (resource is None or ref.get("resource") == resource):
+                    out.append(event)
     return out

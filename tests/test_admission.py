@@ -8,27 +8,22 @@ from typing import Any
 
 import pytest
 
-from conftest import Cluster, make_task, service_account_kubeconfig, wait_for
+from conftest import AGENT_SA, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
 from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
 from tasklease.api.timestamps import now_utc
-from tasklease.kube import LEASES, PODS, TASKS, Kube
+from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.protocol import TaskView
 from tasklease.protocol.rules import Blocker, blocker
 
-AGENT_SA = "tasklease-agent"
-
-
 def _agent_pod(cluster: Cluster, namespace: str, name: str, role: str, tmp_path: Path) -> Kube:
-    """A Pod object and a kubeconfig with a token bound to it, as the pod would mount."""
-    admin = cluster.kube(namespace)
-    service_account_kubeconfig(cluster, namespace, AGENT_SA, role, tmp_path)  # the ServiceAccount first
-    pod = admin.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-                              "spec": {"serviceAccountName": AGENT_SA, "automountServiceAccountToken": False,
-                                       "containers": [{"name": "agent", "image": "agent:dev"}]}})
-    return Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA, role, tmp_path,
-                                                                  pod=pod)))
+    return Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, name, role, tmp_path)))
+
+
+def _patch(kube: Kube, lease: dict[str, Any]) -> None:
+    """A hand-made write as an agent may send it (agents may patch Leases, not PUT them)."""
+    kube.merge_patch(LEASES, lease["metadata"]["name"], lease)
 
 
 def _refused(write: Any, message: str) -> None:
@@ -61,16 +56,16 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
 
     takeover = copy.deepcopy(held)
     takeover["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
-    _refused(lambda: bob_kube.replace(LEASES, takeover), "this lease is held by another pod")
+    _refused(lambda: _patch(bob_kube, takeover), "this lease is held by another pod")
     impersonation = copy.deepcopy(held)
     impersonation["spec"]["holderIdentity"] = "alice/evil"
-    _refused(lambda: bob_kube.replace(LEASES, impersonation), "only hold a lease in its own pod's name")
+    _refused(lambda: _patch(bob_kube, impersonation), "only hold a lease in its own pod's name")
     lowered = copy.deepcopy(held)
     lowered["spec"]["leaseTransitions"] = 0
-    _refused(lambda: alice_kube.replace(LEASES, lowered), "never goes down")
+    _refused(lambda: _patch(alice_kube, lowered), "never goes down")
     handover = copy.deepcopy(held)
     handover["spec"]["holderIdentity"] = "alice/2"
-    _refused(lambda: alice_kube.replace(LEASES, handover), "cannot hand its lease")
+    _refused(lambda: _patch(alice_kube, handover), "cannot hand its lease")
     _refused(lambda: alice_kube.delete(LEASES, "guarded"), "forbidden")  # RBAC: agents never delete
 
     task.complete("done")  # the holder's fair completion passes
@@ -78,7 +73,7 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     assert blocker(view, record.decode(closed), now_utc()) is Blocker.CLOSED
     reopened = copy.deepcopy(closed)
     reopened["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
-    _refused(lambda: bob_kube.replace(LEASES, reopened), "a finished task never runs again")
+    _refused(lambda: _patch(bob_kube, reopened), "a finished task never runs again")
 
     unbound = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA,
                                                                      chart_roles["agent"], tmp_path)))

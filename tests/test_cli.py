@@ -11,19 +11,28 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import Cluster, Operator, Process, make_task, service_account_kubeconfig, tasklease_cmd, wait_for
+from conftest import (Cluster, Operator, Process, agent_pod_kubeconfig, make_task, service_account_kubeconfig,
+                      tasklease_cmd, wait_for)
 from tasklease.protocol import record
 from tasklease.kube import LEASES, TASKS, Kube
 
 
+AGENT_VERBS = ("claim", "renew", "complete", "fail", "release", "run")
+CLI_POD = "cli-agent"
+
+
 @pytest.fixture
-def cli(cluster: Cluster, namespace: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+def cli(cluster: Cluster, namespace: str, chart_roles: dict[str, str], tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The CLI: agent verbs as the chart's agent ServiceAccount (a token bound to a Pod, so
+    RBAC and the admission policy apply), the others as a namespaced admin."""
     config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    agent_config = agent_pod_kubeconfig(cluster, namespace, CLI_POD, chart_roles["agent"], tmp_path)
 
     def run(*args: str, input: str | None = None, env: dict[str, str] | None = None,
             kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+        chosen = kubeconfig or (agent_config if args and args[0] in AGENT_VERBS else config)
         return subprocess.run(tasklease_cmd(*args), capture_output=True, text=True, input=input, timeout=120,
-                              env={**os.environ, "KUBECONFIG": str(kubeconfig or config), **(env or {})})
+                              env={**os.environ, "KUBECONFIG": str(chosen), "POD_NAME": CLI_POD, **(env or {})})
     run.kubeconfig = config  # type: ignore[attr-defined]
     return run
 
@@ -106,7 +115,7 @@ def test_a_failing_command_is_retried_then_dead_lettered(cli, kube: Kube) -> Non
 @pytest.mark.parametrize(("args", "code", "says"), [
     (("claim", "--queue", "empty"), 3, "nothing claimable in queue 'empty'"),
     (("get", "missing"), 5, "not found"),
-    (("complete", "missing", "--holder", "me/1", "--epoch", "1"), 4, "lease is gone"),
+    (("complete", "missing", "--holder", "me/1", "--epoch", "1"), 5, "does not exist"),
     (("submit", "--queue", "Not_A_Label"), 9, "spec.queue"),
     (("requeue", "missing"), 5, "not found"),
 ])

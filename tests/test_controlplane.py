@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -132,6 +134,34 @@ def test_cluster_up_is_idempotent_and_down_leaves_no_process(cluster: Cluster, t
         local.down()
     assert not any(process_alive(pid) for pid in first.pids.values())
     assert not (tmp_path / "second" / "etcd-data").exists()
+
+
+def test_one_component_restarts_and_down_spares_a_process_that_is_not_its_own(
+        cluster: Cluster, tmp_path: Any) -> None:
+    if cluster.version is None:
+        pytest.skip("starts a second local control plane")
+    local = LocalCluster(tmp_path / "third")
+    first = local.up()
+    stranger = subprocess.Popen(["sleep", "300"])
+    real_etcd = first.pids["etcd"]
+    try:
+        old = first.pids["kube-apiserver"]
+        restarted = local.restart("kube-apiserver")  # kill -9 and start again, same port and data
+        assert restarted.pids["kube-apiserver"] != old and not process_alive(old)
+        assert local.running() is not None  # every component up, the API server answering
+        assert not local.owns(stranger.pid)
+        # As if the pid in the state file had been reused by another program.
+        state_file = tmp_path / "third" / "cluster.json"
+        state = json.loads(state_file.read_text())
+        state["pids"]["etcd"] = stranger.pid
+        state_file.write_text(json.dumps(state))
+        local.down()
+        assert stranger.poll() is None  # not ours: left alone
+    finally:
+        stranger.kill()
+        stranger.wait()
+        if process_alive(real_etcd):
+            os.kill(real_etcd, signal.SIGKILL)
 
 
 def test_kubectl_finds_tasklease_as_a_plugin(cluster: Cluster, namespace: str) -> None:

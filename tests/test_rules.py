@@ -32,6 +32,7 @@ def _free(task: TaskView, **changes: object) -> record.LeaseRecord:
     ("foreign", Blocker.FOREIGN),
     ("closed", Blocker.CLOSED),
     ("cancelled", Blocker.CANCELLED),
+    ("too deep", Blocker.INVALID_PAYLOAD),
     ("past deadline", Blocker.PAST_DEADLINE),
     ("held", Blocker.HELD),
     ("spent", Blocker.SPENT),
@@ -52,6 +53,8 @@ def test_blocker_case_by_case(case: str, expected: Blocker | None) -> None:
         rec = _free(task, epoch=1, outcome="Succeeded")
     elif case == "cancelled":
         task = _task(cancel=True)
+    elif case == "too deep":
+        task = _task(payload=_nested(models.MAX_PAYLOAD_DEPTH + 1))
     elif case == "past deadline":
         task = _task(deadline=NOW.isoformat())
     elif case == "held":
@@ -84,3 +87,73 @@ def test_requeue_backs_off_then_dead_letters_when_attempts_are_spent() -> None:
                       backoff=True)
     assert (second.state, second.outcome, second.reason) == (record.CLOSED, "Failed", "DeadLettered")
     assert [a.outcome for a in second.history] == ["Expired", "Failed"]
+
+
+def _nested(depth: int) -> dict[str, object]:
+    payload: dict[str, object] = {"leaf": 1}
+    for _ in range(depth - 1):
+        payload = {"a": payload}
+    return payload
+
+
+def test_payload_depth_counts_objects_and_arrays_without_recursing() -> None:
+    assert models.payload_depth({}) == 1 and models.payload_depth(7) == 0
+    assert models.payload_depth({"a": [1, {"b": []}]}) == 4
+    assert models.payload_depth(_nested(50_000)) == 50_000  # far beyond the recursion limit
+    assert blocker(_task(payload=_nested(models.MAX_PAYLOAD_DEPTH)), None, NOW) is None
+
+
+def test_a_lowered_epoch_is_never_handed_out_again() -> None:
+    task = _task(maxAttempts=5)
+    first = claimed(task, None, "pod/1", NOW)
+    ended = requeued(first, task.spec, outcome="Released", message="", now=NOW, backoff=False)
+    lowered = replace(ended, epoch=0)  # kubectl patch ... leaseTransitions: 0
+    assert claimed(task, lowered, "pod/2", NOW).epoch == 2  # above the history's attempt 1
+    bare = replace(lowered, history=())  # annotations stripped too: the status still remembers
+    assert claimed(replace(task, status_attempt=1), bare, "pod/2", NOW).epoch == 2
+    spent = replace(_task(maxAttempts=1), status_attempt=0)
+    assert blocker(spent, lowered, NOW) is Blocker.SPENT
+
+
+def test_the_patch_keeps_foreign_labels_and_removes_only_ours() -> None:
+    rec = replace(_free(_task(), epoch=2), resource_version="17", history=())
+    patch = record.encode_patch(rec)
+    meta = patch["metadata"]
+    assert meta["resourceVersion"] == "17"  # conditional
+    assert set(meta["labels"]) == set(record.OWNED_LABELS)  # only ours: others are left alone
+    assert meta["labels"][record.LABEL_HOLDER_POD] is None  # free: the holder label goes
+    assert set(meta["annotations"]) == set(record.OWNED_ANNOTATIONS)
+    assert meta["annotations"][record.ANN_HISTORY] is None
+    assert patch["spec"]["leaseTransitions"] == 2
+
+
+def test_status_never_moves_the_attempt_down() -> None:
+    from tasklease.operator import projection
+
+    task = {"metadata": {"uid": "uid-1", "generation": 1}, "spec": {"queue": "q"}}
+    old = models.TaskStatus(phase=models.Phase.RUNNING, attempt=3)
+    lowered = _free(_task(), epoch=0, holder="pod/1")
+    assert projection.project(task, lowered, old=old, now=NOW).attempt == 3
+
+
+def test_the_backoff_formula() -> None:
+    exp = models.Backoff(initial_seconds=5, max_seconds=60)
+    assert [exp.delay_after(n) for n in range(1, 7)] == [5, 10, 20, 40, 60, 60]
+    fixed = models.Backoff(policy=models.BackoffPolicy.FIXED, initial_seconds=7, max_seconds=60)
+    assert [fixed.delay_after(n) for n in (1, 5)] == [7, 7]
+
+
+def test_priority_order_then_age_decides_which_candidates_are_tried() -> None:
+    import random
+
+    from tasklease.agent.discovery import pick
+
+    def task(name: str, priority: int, created: str) -> TaskView:
+        return replace(_task(priority=priority), name=name, created=created)
+
+    old, new = "2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"
+    candidates = [(task("low-old", 0, old), None), (task("high-new", 9, new), None),
+                  (task("low-new", 0, new), None), (task("high-old", 9, old), None)]
+    assert {t.name for t, _ in pick(candidates, best_of=2, rng=random.Random(1))} == {"high-new", "high-old"}
+    assert [t.name for t, _ in pick(candidates, best_of=1, rng=random.Random(1))] == ["high-old"]
+    assert [t.name for t, _ in pick(candidates[:1] + candidates[2:3], best_of=1, rng=random.Random(1))] == ["low-old"]

@@ -50,3 +50,16 @@ def test_the_initial_list_comes_in_pages_and_misses_nothing(kube: Kube) -> None:
     assert sorted(seen) == sorted(f"ADDED p-{i:02d}" for i in range(25))
     assert set(reflector.store) == {f"p-{i:02d}" for i in range(25)}
     assert reflector.store["p-00"]["metadata"].keys() == {"name", "namespace", "resourceVersion"}  # slim
+
+
+def test_a_watch_without_rights_stops_and_says_why(cluster, namespace: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import service_account_kubeconfig
+    from tasklease.api import errors
+
+    nobody = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, "watch-nobody",
+                                                                    "no-such-role", tmp_path)))
+    reflector = Reflector(nobody, LEASES, namespace=namespace, listener=lambda kind, obj: None)
+    reflector.start()
+    reflector._thread.join(30)
+    assert not reflector._thread.is_alive()  # no retry loop against a permanent refusal
+    assert isinstance(reflector.error, errors.Forbidden)

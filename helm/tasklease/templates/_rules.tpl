@@ -25,7 +25,7 @@
   - list
   - watch
   - create
-  - update
+  - patch
   - delete
 - apiGroups:
   - ''
@@ -50,6 +50,7 @@
   resources:
   - customresourcedefinitions
   verbs:
+  - get
   - list
   - watch
 - apiGroups:
@@ -78,5 +79,11 @@
   - list
   - watch
   - create
-  - update
+  - patch
+- apiGroups:
+  - ''
+  resources:
+  - namespaces
+  verbs:
+  - get
 {{- end }}

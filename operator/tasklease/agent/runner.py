@@ -1,10 +1,15 @@
 """`tasklease run`: flock for a cluster. Claim a task, run a command for it, report the outcome.
 
 The command gets TASKLEASE_TASK, TASKLEASE_NAMESPACE, TASKLEASE_EPOCH, TASKLEASE_HOLDER and
-TASKLEASE_PAYLOAD (the payload also arrives on stdin). While it runs the lease is renewed;
-the moment ownership is lost the command gets SIGTERM, then SIGKILL after a grace period.
-Exit 0 completes the task with the tail of its stdout as the result; any other exit fails
-the attempt (retried with backoff until maxAttempts).
+the payload as JSON three ways: on stdin, in the file named by TASKLEASE_PAYLOAD_FILE, and
+in TASKLEASE_PAYLOAD when it is small enough for the environment (up to 64 KiB). While it
+runs the lease is renewed; the moment ownership is lost the command gets SIGTERM, then
+SIGKILL after a grace period. Exit 0 completes the task with the tail of its stdout as the
+result; any other exit fails the attempt (retried with backoff until maxAttempts).
+
+With --loop one bad task (a command that cannot start, a lost lease) does not stop the
+loop, and an unreachable API server is retried with capped backoff, at start too; only
+permanent errors (no rights, no CRD) end it.
 """
 
 from __future__ import annotations
@@ -15,17 +20,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from types import FrameType
 from typing import TextIO
 
 from tasklease.api import errors, models
+from tasklease.api.retry import Backoff, transient
 from tasklease.agent.sdk import Agent, ClaimedTask
 
 log = logging.getLogger(__name__)
 
 _DRAIN_S = 2.0
+# Linux refuses a single environment string over 128 KiB (E2BIG); stay well below.
+MAX_ENV_PAYLOAD = 64 * 1024
 
 
 class Runner:
@@ -36,11 +45,16 @@ class Runner:
         self.grace_s = grace_s
         self.stopping = threading.Event()
         self._child: subprocess.Popen[bytes] | None = None
+        self._child_lock = threading.Lock()
 
     def run(self, *, loop: bool, wait_s: float | None) -> int:
         """One task (or, with `loop`, one after another until stopped or idle for `wait_s`)."""
         self._install_signal_handlers()
-        self.agent.start()
+        backoff = Backoff(base_s=0.5, cap_s=30.0)
+        while not self._started(loop, backoff):
+            if self.stopping.wait(backoff.next()):
+                return errors.RUN_STOPPED
+        backoff.reset()
         code = 0
         while not self.stopping.is_set():
             try:
@@ -52,62 +66,52 @@ class Runner:
                 if loop:
                     return code
                 raise
-            except (errors.Unreachable, errors.ServerError) as exc:
-                if not loop:
+            except errors.TaskleaseError as exc:
+                if not (loop and transient(exc)):
                     raise
-                log.warning("claiming from %s failed (%s); retrying", self.queue, exc)
-                self.stopping.wait(1.0)
+                delay = backoff.next()
+                log.warning("claiming from %s failed (%s); retrying in %.1fs", self.queue, exc, delay)
+                self.stopping.wait(delay)
                 continue
+            backoff.reset()
             try:
                 code = self._run_one(task)
-            except (errors.LostLease, errors.Unreachable, errors.ServerError) as exc:
+            except (errors.LostLease, errors.Invalid, errors.Unreachable, errors.ServerError) as exc:
                 if not loop:
                     raise
-                # This attempt is over (or will expire); the next task is another one: keep going.
+                # This attempt is over (ended, failed, or it will expire); the next task is
+                # another one: keep going.
                 log.warning("%s", exc)
                 code = exc.exit_code
             if not loop:
                 return code
         return errors.RUN_STOPPED
 
+    def _started(self, loop: bool, backoff: Backoff) -> bool:
+        """The agent's start (releasing an older instance's leases); in --loop an unreachable
+        API server is waited out rather than fatal."""
+        try:
+            self.agent.start()
+            return True
+        except errors.TaskleaseError as exc:
+            if not (loop and transient(exc)):
+                raise
+            log.warning("starting the agent failed (%s); retrying", exc)
+            return False
+
     def _run_one(self, task: ClaimedTask) -> int:
         payload = json.dumps(task.payload, separators=(",", ":"))
-        env = {**os.environ, "TASKLEASE_TASK": task.name, "TASKLEASE_NAMESPACE": task.namespace,
-               "TASKLEASE_EPOCH": str(task.epoch), "TASKLEASE_HOLDER": task.holder, "TASKLEASE_PAYLOAD": payload}
-        log.info("running %s for %s/%s (attempt %d)", self.argv[0], task.namespace, task.name, task.epoch)
-        try:
-            child = subprocess.Popen(self.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
-        except OSError as exc:
-            task.fail(f"cannot start {self.argv[0]}: {exc}", retryable=False)
-            raise errors.Invalid(f"cannot start {self.argv[0]}: {exc.strerror}") from None
-        self._child = child
-        task.on_lost.append(lambda _t: self._terminate(child))
-        tail = _Tail(models.MAX_RESULT_BYTES, sink=sys.stdout)
-        reader = threading.Thread(target=tail.pump, args=(child.stdout,), daemon=True)
-        reader.start()
-        # The end of stderr explains a failure: kept for lastError and the attempt's history.
-        err_tail = _Tail(models.MAX_ERROR_CHARS, sink=sys.stderr)
-        err_reader = threading.Thread(target=err_tail.pump, args=(child.stderr,), daemon=True)
-        err_reader.start()
-        try:
-            assert child.stdin is not None
-            child.stdin.write(payload.encode())
-            child.stdin.close()
-        except BrokenPipeError:
-            pass  # the command does not read stdin: fine
-        code = child.wait()
-        for t, r in ((tail, reader), (err_tail, err_reader)):
-            r.join(_DRAIN_S)
-            if r.is_alive():
-                t.echo = False  # maybe our own stdout is slow: keep reading, stop echoing
-                r.join(_DRAIN_S)
-        if reader.is_alive() or err_reader.is_alive():
-            # Something the command started in the background still holds its stdout:
-            # the command is over, and so is its process group.
-            _signal_group(child, signal.SIGTERM)
-            reader.join(_DRAIN_S)
-        self._child = None
+        with tempfile.NamedTemporaryFile("w", prefix=f"tasklease-{task.name}-", suffix=".json") as payload_file:
+            payload_file.write(payload)
+            payload_file.flush()
+            env = {**os.environ, "TASKLEASE_TASK": task.name, "TASKLEASE_NAMESPACE": task.namespace,
+                   "TASKLEASE_EPOCH": str(task.epoch), "TASKLEASE_HOLDER": task.holder,
+                   "TASKLEASE_PAYLOAD_FILE": payload_file.name}
+            if len(payload) <= MAX_ENV_PAYLOAD:
+                env["TASKLEASE_PAYLOAD"] = payload
+            else:
+                env.pop("TASKLEASE_PAYLOAD", None)
+            code, tail, err_tail = self._execute(task, env, payload.encode())
         if task.lost.is_set():
             raise errors.LostLease(f"lost {task.namespace}/{task.name} (attempt {task.epoch}): {task.lost_reason}; "
                                    f"the command was stopped")
@@ -121,6 +125,51 @@ class Runner:
         task.fail(failure_message(f"{self.argv[0]} exited with code {code}", err_tail.text()), retryable=True)
         log.warning("%s/%s attempt %d failed: exit code %d", task.namespace, task.name, task.epoch, code)
         return errors.RUN_COMMAND_FAILED
+
+    def _execute(self, task: ClaimedTask, env: dict[str, str], stdin: bytes) -> tuple[int, _Tail, _Tail]:
+        """Check ownership, register the kill on loss, then spawn: a loss at any moment stops it."""
+        log.info("running %s for %s/%s (attempt %d)", self.argv[0], task.namespace, task.name, task.epoch)
+        task.on_lost.append(lambda _t: self._terminate_child())
+        task.check()
+        try:
+            child = subprocess.Popen(self.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as exc:
+            task.fail(f"cannot start {self.argv[0]}: {exc}", retryable=False)
+            raise errors.Invalid(f"cannot start {self.argv[0]}: {exc.strerror}") from None
+        with self._child_lock:
+            self._child = child
+        if task.lost.is_set() or self.stopping.is_set():
+            self._terminate_child()  # lost (or stopped) while it was being spawned
+        tail = _Tail(models.MAX_RESULT_BYTES, sink=sys.stdout)
+        reader = threading.Thread(target=tail.pump, args=(child.stdout,), daemon=True)
+        reader.start()
+        # The end of stderr explains a failure: kept for lastError and the attempt's history.
+        err_tail = _Tail(models.MAX_ERROR_CHARS, sink=sys.stderr)
+        err_reader = threading.Thread(target=err_tail.pump, args=(child.stderr,), daemon=True)
+        err_reader.start()
+        # From a thread: a command that does not read a large payload must not block us.
+        threading.Thread(target=_feed, args=(child, stdin), daemon=True).start()
+        code = child.wait()
+        for t, r in ((tail, reader), (err_tail, err_reader)):
+            r.join(_DRAIN_S)
+            if r.is_alive():
+                t.echo = False  # maybe our own stdout is slow: keep reading, stop echoing
+                r.join(_DRAIN_S)
+        if reader.is_alive() or err_reader.is_alive():
+            # Something the command started in the background still holds its output:
+            # the command is over, and so is its process group.
+            _signal_group(child, signal.SIGTERM)
+            reader.join(_DRAIN_S)
+        with self._child_lock:
+            self._child = None
+        return code, tail, err_tail
+
+    def _terminate_child(self) -> None:
+        with self._child_lock:
+            child = self._child
+        if child is not None:
+            self._terminate(child)
 
     def _terminate(self, child: subprocess.Popen[bytes]) -> None:
         """SIGTERM to the command's process group, SIGKILL after the grace period."""
@@ -138,8 +187,9 @@ class Runner:
 
         def stop(signum: int, frame: FrameType | None) -> None:
             self.stopping.set()
-            if self._child is not None:
-                self._terminate(self._child)
+            child = self._child  # no lock in a signal handler: the main thread may hold it
+            if child is not None:
+                self._terminate(child)
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
 
@@ -176,6 +226,15 @@ class _Tail:
 
     def text(self) -> str:
         return self.buffer.decode(errors="replace")[-self.limit:].rstrip("\n")
+
+
+def _feed(child: subprocess.Popen[bytes], data: bytes) -> None:
+    assert child.stdin is not None
+    try:
+        child.stdin.write(data)
+        child.stdin.close()
+    except (BrokenPipeError, OSError):
+        pass  # the command does not read stdin: fine
 
 
 def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:

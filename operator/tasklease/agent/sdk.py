@@ -10,7 +10,9 @@ Renewal runs in a background thread several times per lease duration. If a renew
 refused (the lease was expired, cancelled or taken over), or none has succeeded for the
 renew deadline (two thirds of the lease duration, on the monotonic clock, so the agent
 gives up before anyone else can take over), the task is *lost*: `task.lost` is set, the
-`on_lost` callbacks run, and the thread that claimed it gets a `LostLease` exception.
+`on_lost` callbacks run, and the thread inside the task's `with` block gets a `LostLease`
+exception: the main thread at once (a signal, even in a blocking call), any other thread
+at its next Python bytecode (after a blocking call returns).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.protocol import record
+from tasklease.agent.cancel import Following
 from tasklease.agent.cancel import follow as follow_task
 from tasklease.agent.discovery import Candidate, QueueView, task_selector, weight
 from tasklease.kube import JSON, LEASES, TASKS, Kube
@@ -87,19 +91,32 @@ def instance_gone(instance: str) -> bool:
     ticks = rest.partition(".")[0]
     if not pid.isdigit() or not ticks.isdigit() or not _start_ticks(os.getpid()):
         return False
-    return _start_ticks(int(pid)) != ticks
+    state, started = _stat(int(pid))
+    # A zombie (exited, not yet reaped by its parent) runs no more code: it is gone.
+    return started != ticks or state in ("Z", "X")
 
 
 def _start_ticks(pid: int) -> str:
+    return _stat(pid)[1]
+
+
+def _stat(pid: int) -> tuple[str, str]:
+    """(state, start time in clock ticks) of `pid` from /proc; empty strings when unknown."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], fields[19]
     except (OSError, IndexError):
-        return ""
+        return "", ""
 
 
 class ClaimedTask:
     """One held attempt. Use it as a context manager: an exception fails the attempt
-    (retryable), leaving without an outcome releases it."""
+    (retryable), leaving without an outcome releases it.
+
+    Renewal stops when the attempt ends, and also when this object is dropped without
+    ending (the renew thread holds only a weak reference): the lease then expires.
+    Locks are never held across a request: `_state` guards the fields, `_writing` lets
+    one write (a renewal or the ending) at a time use the Lease's last resourceVersion."""
 
     def __init__(self, protocol: Protocol, held: Held, payload: dict[str, Any], *, interrupt: bool,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
@@ -111,18 +128,21 @@ class ClaimedTask:
         self.on_lost: list[Callable[[ClaimedTask], None]] = []
         self._interrupt = interrupt
         self._inside = False  # within the `with` block: the only time an interrupt is delivered
-        self._exiting = False  # set first thing in __exit__, before taking the lock
+        self._exiting = False  # set first thing in __exit__
         self._monotonic = monotonic
-        self._lock = threading.Lock()
+        self._state = threading.Lock()
+        self._writing = threading.Lock()
         self._done = False
         self._owner_thread = threading.current_thread()
         self._stop = threading.Event()
-        self._previous_handler: Any = None
-        # Instant cancel: hear of spec.cancel or the Task's deletion now, not at the next renewal.
-        self._following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue,
-                                      name=held.name, uid=held.uid, on_cancel=self._cancelled)
-        self._renewer = threading.Thread(target=self._renew_loop, name=f"renew-{held.name}", daemon=True)
-        self._renewer.start()
+        self._last_ok = monotonic()
+        # Instant cancel: hear of spec.cancel or the Task's deletion now, not at the next
+        # renewal. Held weakly, like the renew thread's reference: a dropped claim is let go.
+        cancelled = weakref.WeakMethod(self._cancelled)
+        following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue, name=held.name,
+                                uid=held.uid, on_cancel=lambda why: (m := cancelled()) is not None and m(why))
+        threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, held.duration_s, following),
+                         name=f"renew-{held.name}", daemon=True).start()
 
     # -- what the work sees ------------------------------------------------------------
 
@@ -155,7 +175,7 @@ class ClaimedTask:
     def detach(self) -> None:
         """Stop renewing here without ending the attempt: another process (a shell script
         using `tasklease renew`) takes over the renewals."""
-        with self._lock:
+        with self._state:
             self._done = True
         self._stop.set()
 
@@ -177,11 +197,11 @@ class ClaimedTask:
     # -- context manager ---------------------------------------------------------------
 
     def __enter__(self) -> ClaimedTask:
-        with self._lock:
+        with self._state:
             self._owner_thread = threading.current_thread()
-            if self._interrupt and self._owner_thread is threading.main_thread():
-                self._previous_handler = signal.signal(signal.SIGUSR1, self._raise_lost)
             self._inside = True
+        if self._interrupt and self._owner_thread is threading.main_thread():
+            _interrupts.enter(self)
         self.check()  # lost before the work even started: no interrupt would come
         return self
 
@@ -189,13 +209,9 @@ class ClaimedTask:
                  tb: TracebackType | None) -> None:
         self._exiting = True  # a signal arriving from here on raises nothing
         try:
-            with self._lock:
-                # No interrupt is delivered from here on, and the handler goes back in the same
-                # breath: a signal never meets the default handler (which would end the process).
+            with self._state:
                 self._inside = False
-                if self._previous_handler is not None:
-                    signal.signal(signal.SIGUSR1, self._previous_handler)
-                    self._previous_handler = None
+            _interrupts.leave(self)
             if not self._done and not self.lost.is_set():
                 if exc is None:
                     self.release("left the work without an outcome")
@@ -207,16 +223,16 @@ class ClaimedTask:
     # -- internals -------------------------------------------------------------------------
 
     def _finish(self, write: Callable[[Held], Held]) -> None:
-        with self._lock:
+        with self._writing:  # the renewer skips its turn meanwhile; no state lock across requests
             self.check()
             if self._done:
                 raise errors.Invalid(f"task {self.namespace}/{self.name}: attempt {self.epoch} already ended")
             for attempt in range(_FINISH_TRIES):
                 try:
-                    self._held = write(self._held)
+                    held = write(self._held)
                     break
                 except errors.LostLease as exc:
-                    self._mark_lost(str(exc))
+                    self._lose(str(exc), stop_work=False)  # the caller gets the exception itself
                     raise
                 except (errors.Unreachable, errors.ServerError) as exc:
                     # The write may have been applied and only its answer lost: the retry
@@ -225,79 +241,124 @@ class ClaimedTask:
                         raise
                     log.warning("ending %s/%s failed (%s); retrying", self.namespace, self.name, exc)
                     time.sleep(_RETRY_S)
-            self._done = True
+            with self._state:
+                self._held, self._done = held, True
         self._stop.set()
 
     def _cancelled(self, why: str) -> None:
         """The Task was cancelled or deleted: the attempt is over, stop the work now (the
         operator closes the Lease; renewing it meanwhile would only be refused)."""
-        with self._lock:
+        with self._state:
             if self._done:
                 return
-            self._mark_lost(why)
-        self._stop.set()
-        self._notify_lost()
+        self._lose(why)
 
-    def _renew_loop(self) -> None:
+    def _renew_once(self, interval: float, renew_deadline: float) -> float | None:
+        """One renewal turn: the wait before the next one, or None when renewing is over."""
+        if self._done:
+            return None
+        # Checked before every write: after a pause (SIGSTOP, a long GC, a slow answer)
+        # the lease may already belong to someone else, whatever the API server would say now.
+        sent = self._monotonic()
+        left = renew_deadline - (sent - self._last_ok)
+        if left <= 0:
+            self._lose(f"no successful renewal for {renew_deadline:.0f}s (renew deadline)")
+            return None
+        if not self._writing.acquire(blocking=False):
+            return min(_RETRY_S, left)  # an ending is being written: it decides, not a renewal
         try:
-            self._renew_until_done()
+            if self._done:
+                return None
+            # A renewal answered after the deadline is worth nothing: bound the wait.
+            held = self.protocol.renew(self._held, timeout=max(min(interval, left), 0.2))
+            with self._state:
+                self._held = held
+            self._last_ok = sent  # the server saw it no earlier than we sent it
+            return interval
+        except errors.LostLease as exc:
+            self._lose(str(exc))
+            return None
+        except errors.TaskleaseError as exc:
+            log.warning("renewing %s/%s failed (%s); retrying", self.namespace, self.name, exc)
+            return min(_RETRY_S, max(left - (self._monotonic() - sent), 0.01))
         finally:
-            self._following.close()
+            self._writing.release()
 
-    def _renew_until_done(self) -> None:
-        duration = self._held.duration_s
-        interval = duration / RENEWS_PER_DURATION
-        renew_deadline = duration * RENEW_DEADLINE_FRACTION
-        last_ok = self._monotonic()
-        wait = interval
-        while not self._stop.wait(wait):
-            with self._lock:
-                if self._done:
-                    return
-                # Checked before every write: after a pause (SIGSTOP, a long GC, a slow
-                # answer) the lease may already belong to someone else, whatever the API
-                # server would say now.
-                sent = self._monotonic()
-                left = renew_deadline - (sent - last_ok)
-                lost = left <= 0
-                if lost:
-                    self._mark_lost(f"no successful renewal for {renew_deadline:.0f}s (renew deadline)")
-                else:
-                    try:
-                        # A renewal answered after the deadline is worth nothing: bound the wait.
-                        self._held = self.protocol.renew(self._held, timeout=max(min(interval, left), 0.2))
-                        last_ok, wait = sent, interval  # the server saw it no earlier than we sent it
-                    except errors.LostLease as exc:
-                        self._mark_lost(str(exc))
-                        lost = True
-                    except errors.TaskleaseError as exc:
-                        log.warning("renewing %s/%s failed (%s); retrying", self.namespace, self.name, exc)
-                        wait = min(_RETRY_S, max(left - (self._monotonic() - sent), 0.01))
-            if lost:
-                self._notify_lost()
+    def _lose(self, reason: str, *, stop_work: bool = True) -> None:
+        """Mark the attempt lost, then stop the work: callbacks, and the interrupt if inside."""
+        with self._state:
+            if self.lost.is_set():
                 return
-
-    def _mark_lost(self, reason: str) -> None:
-        self.lost_reason = reason
-        self.lost.set()
-        self._done = True
-
-    def _notify_lost(self) -> None:
-        log.warning("lost task %s/%s (attempt %d): %s", self.namespace, self.name, self.epoch, self.lost_reason)
+            self.lost_reason = reason
+            self.lost.set()
+            self._done = True
+        self._stop.set()
+        if not stop_work:
+            return
+        log.warning("lost task %s/%s (attempt %d): %s", self.namespace, self.name, self.epoch, reason)
         for callback in self.on_lost:
             callback(self)
-        with self._lock:
-            if self._interrupt and self._inside and not self._exiting:
-                _interrupt_thread(self._owner_thread)
+        with self._state:
+            deliver = self._interrupt and self._inside and not self._exiting
+        if deliver:
+            _interrupt_thread(self._owner_thread)
 
-    def _raise_lost(self, signum: int, frame: FrameType | None) -> None:
-        if self.lost.is_set() and self._inside and not self._exiting:
-            raise errors.LostLease(self.lost_reason)
+
+def _renew_loop(ref: weakref.ReferenceType[ClaimedTask], stop: threading.Event, duration_s: int,
+                following: Following) -> None:
+    """The renew thread. It keeps only a weak reference between turns, so a claim that is
+    dropped without being ended stops being renewed (and followed)."""
+    interval = duration_s / RENEWS_PER_DURATION
+    renew_deadline = duration_s * RENEW_DEADLINE_FRACTION
+    wait: float | None = interval
+    try:
+        while wait is not None and not stop.wait(wait):
+            task = ref()
+            wait = None if task is None else task._renew_once(interval, renew_deadline)
+            del task  # no strong reference while waiting
+    finally:
+        following.close()
+
+
+class _Interrupts:
+    """The one SIGUSR1 handler of the process, shared by every claim entered on the main
+    thread (nested claims included): it raises LostLease for whichever of them is lost, so
+    no claim's loss is dropped by another claim's handler."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._claims: list[ClaimedTask] = []
+        self._previous: Any = None
+
+    def enter(self, task: ClaimedTask) -> None:
+        with self._lock:
+            if not self._claims:
+                self._previous = signal.signal(signal.SIGUSR1, self._raise)
+            self._claims.append(task)
+
+    def leave(self, task: ClaimedTask) -> None:
+        with self._lock:
+            if task in self._claims:
+                self._claims.remove(task)
+                if not self._claims:
+                    # Put back in the same breath: a signal never meets the default handler
+                    # (which would end the process).
+                    signal.signal(signal.SIGUSR1, self._previous)
+
+    def _raise(self, signum: int, frame: FrameType | None) -> None:
+        for task in list(self._claims):
+            if task.lost.is_set() and task._inside and not task._exiting:
+                raise errors.LostLease(task.lost_reason)
+
+
+_interrupts = _Interrupts()
 
 
 def _interrupt_thread(thread: threading.Thread) -> None:
-    """Raise LostLease in the thread doing the work: a signal wakes the main thread out of
-    a blocking call; other threads get an asynchronous exception at their next bytecode."""
+    """Raise LostLease in the thread doing the work. The main thread gets a signal, which
+    also wakes it out of a blocking call (sleep, a socket read). Any other thread gets an
+    asynchronous exception at its next Python bytecode: a call blocked in C (sleep, I/O)
+    finishes first, so such work should call `check()` or use short timeouts."""
     if thread is threading.main_thread():
         signal.pthread_kill(thread.ident or 0, signal.SIGUSR1)
     elif thread.ident is not None:

@@ -31,7 +31,7 @@ class LostLease(TaskleaseError):
 
 class NotFound(TaskleaseError):
     exit_code = 5
-    meaning = "no such task"
+    meaning = "no such task (or namespace)"
 
 
 class Forbidden(TaskleaseError):

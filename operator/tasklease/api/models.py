@@ -22,6 +22,9 @@ from tasklease.api.resource import VERSION as VERSION
 MAX_RESULT_BYTES: Final = 8192
 MAX_ERROR_CHARS: Final = 1024
 MAX_HISTORY: Final = 10
+# The API server accepts objects nested up to 10,000 levels; a payload deeper than this is
+# refused by the claim rule and failed by the operator (reason InvalidPayload).
+MAX_PAYLOAD_DEPTH: Final = 64
 DNS_LABEL: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -101,6 +104,20 @@ class TaskSpec(_Model):
         description="Seconds after the task finished (Succeeded, Failed or Cancelled) when the operator "
                     "deletes it and its Lease. Dead-lettered tasks are kept until retried or deleted. "
                     "Default: the operator's --ttl-seconds-after-finished (none: kept).")
+
+
+def payload_depth(value: Any) -> int:
+    """How deeply `value` nests objects and arrays (a scalar is 0), without recursing: a
+    payload nested thousands of levels deep must not take down whoever measures it."""
+    depth = 0
+    level: list[Any] = [value]
+    while level:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            break
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 class Phase(enum.StrEnum):

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tasklease.agent.sdk import Agent, Identity
 from tasklease.api import errors
 from tasklease.cli.common import kube_of
-from tasklease.kube import Kube
+from tasklease.kube import NAMESPACES, Kube
 from tasklease.protocol import Held, Protocol
 
 
 def cmd_claim(args: argparse.Namespace) -> int:
-    agent = Agent(kube_of(args), identity=Identity.from_environment(handed_over=True))
-    task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
-            else agent.claim_once(args.queue))
+    kube = kube_of(args)
+    agent = Agent(kube, identity=Identity.from_environment(handed_over=True))
+    with _no_such_namespace_is_not_found(kube):
+        task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
+                else agent.claim_once(args.queue))
     # The CLI returns at once: the caller renews (tasklease renew) from here on.
     task.detach()
     out = {"name": task.name, "namespace": task.namespace, "epoch": task.epoch, "holder": task.holder,
@@ -68,8 +71,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
-    agent = Agent(kube_of(args), identity=Identity.from_environment())
-    return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace).run(loop=args.loop, wait_s=args.wait)
+    kube = kube_of(args)
+    agent = Agent(kube, identity=Identity.from_environment())
+    with _no_such_namespace_is_not_found(kube):
+        return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace).run(loop=args.loop, wait_s=args.wait)
+
+
+@contextlib.contextmanager
+def _no_such_namespace_is_not_found(kube: Kube) -> Iterator[None]:
+    """An empty queue and a namespace that does not exist both list no tasks: tell them apart."""
+    try:
+        yield
+    except errors.NothingToClaim:
+        try:
+            kube.get(NAMESPACES, kube.namespace)
+        except errors.NotFound:
+            raise errors.NotFound(f"namespace {kube.namespace!r} does not exist") from None
+        except errors.Forbidden:
+            pass  # we may not look: an empty queue it is
+        raise
 
 
 def _held_by_args(args: argparse.Namespace) -> tuple[Kube, Protocol]:

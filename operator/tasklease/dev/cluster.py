@@ -28,6 +28,11 @@ from tasklease.dev import binaries
 ADMIN_USER = "tasklease-admin"
 _STATE_FILE = "cluster.json"
 _READY_TIMEOUT_S = 90.0
+# The audit log rotates at this size (MB), keeping _AUDIT_BACKUPS older files beside it:
+# `audit_files()` reads them all, oldest first.
+_AUDIT_MAX_MB = 200
+_AUDIT_BACKUPS = 20
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager")
 
 # Metadata for everything (enough to count who made which request) and the whole
 # object for Leases, so tests can replay every write of the claim protocol.
@@ -113,16 +118,20 @@ class LocalCluster:
         return state
 
     def down(self) -> None:
-        """Stop every process this workdir's cluster started and remove its data."""
+        """Stop every process this workdir's cluster started and remove its data. A pid in
+        the state file is only signalled while it is still one of ours (its command line
+        names this workdir): a pid reused by another process is left alone."""
         path = self.workdir / _STATE_FILE
         if path.exists():
             pids = json.loads(path.read_text()).get("pids", {})
-            for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+            for name in reversed(COMPONENTS):
                 pid = pids.get(name)
-                if pid:
+                if pid and self.owns(pid):
                     terminate(pid)
             path.unlink()
-        for sub in ("etcd-data", "pki", "audit.log", "logs"):
+        for rotated in audit_files(self.workdir / "audit.log"):
+            rotated.unlink()
+        for sub in ("etcd-data", "pki", "logs"):
             target = self.workdir / sub
             if target.is_dir():
                 _rmtree(target)
@@ -130,6 +139,57 @@ class LocalCluster:
                 target.unlink()
         if self.kubeconfig.exists():
             self.kubeconfig.unlink()
+
+    def owns(self, pid: int) -> bool:
+        """True when `pid` is a process this workdir's cluster started (and still runs)."""
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return process_alive(pid) and any(str(self.workdir).encode() in arg for arg in cmdline)
+
+    def restart(self, component: str, *, sig: int = signal.SIGKILL) -> ClusterState:
+        """Kill one component (SIGKILL by default, as a crash would) and start it again with
+        the same ports and data; returns once the API server answers again."""
+        if component not in COMPONENTS:
+            raise ValueError(f"unknown component {component!r}: one of {', '.join(COMPONENTS)}")
+        state = self.running_or_partial()
+        pid = state.pids[component]
+        if self.owns(pid):
+            os.kill(pid, sig)
+            deadline = time.monotonic() + 30
+            while process_alive(pid) and time.monotonic() < deadline:
+                _reap(pid)
+                time.sleep(0.05)
+        _reap(pid)
+        # A killed Go process shows as a zombie while its other threads still hold its
+        # sockets: wait until its port can be bound again.
+        port = {"etcd": state.etcd_port, "kube-apiserver": state.apiserver_port}.get(component)
+        if port is not None:
+            _wait_port_free(port)
+        bins = binaries.ensure_kubernetes()
+        pki = self._pki_paths()
+        if component == "etcd":
+            state.pids[component] = self._start_etcd(bins, state.etcd_port)
+        elif component == "kube-apiserver":
+            state.pids[component] = self._start_apiserver(bins, state, pki)
+        else:
+            state.pids[component] = self._start_controller_manager(bins, pki)
+        self._write_state(state)
+        self._wait_ready(state)
+        return state
+
+    def running_or_partial(self) -> ClusterState:
+        """The state file as written by `up`, whether or not every component runs now."""
+        path = self.workdir / _STATE_FILE
+        if not path.exists():
+            raise RuntimeError(f"no cluster in {self.workdir}: run `up` first")
+        return ClusterState(**json.loads(path.read_text()))
+
+    def audit_files(self) -> list[Path]:
+        """The audit log and its rotated backups, oldest first."""
+        log = self.workdir / "audit.log"
+        return audit_files(log)
 
     # -- processes ----------------------------------------------------------------
 
@@ -178,7 +238,8 @@ class LocalCluster:
             f"--audit-log-path={state.audit_log}",
             "--audit-log-format=json",
             "--audit-log-mode=blocking",
-            "--audit-log-maxsize=0",
+            f"--audit-log-maxsize={_AUDIT_MAX_MB}",
+            f"--audit-log-maxbackup={_AUDIT_BACKUPS}",
             "--allow-privileged=true",
             *([
                 # kubectl logs/exec: the kubelet authenticates the apiserver by client cert,
@@ -235,15 +296,18 @@ class LocalCluster:
 
     # -- credentials ----------------------------------------------------------------
 
-    def _make_pki(self) -> dict[str, Path]:
+    def _pki_paths(self) -> dict[str, Path]:
         pki = self.workdir / "pki"
-        pki.mkdir(parents=True, exist_ok=True)
-        paths = {
+        return {
             "ca_crt": pki / "ca.crt", "ca_key": pki / "ca.key",
             "serving_crt": pki / "serving.crt", "serving_key": pki / "serving.key",
             "admin_crt": pki / "admin.crt", "admin_key": pki / "admin.key",
             "sa_key": pki / "sa.key", "sa_pub": pki / "sa.pub",
         }
+
+    def _make_pki(self) -> dict[str, Path]:
+        (self.workdir / "pki").mkdir(parents=True, exist_ok=True)
+        paths = self._pki_paths()
         _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365",
                  "-subj", "/CN=tasklease-local-ca", "-keyout", paths["ca_key"], "-out", paths["ca_crt"],
                  "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
@@ -297,6 +361,27 @@ def signed_cert(paths: dict[str, Path], name: str, subject: str, san: str | None
 
 def _openssl(*args: object) -> None:
     subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+
+
+def audit_files(log: Path) -> list[Path]:
+    """`log` and its rotated backups (`audit-<time>.log`), oldest first."""
+    backups = sorted(log.parent.glob(f"{log.stem}-*{log.suffix}"))
+    return [*backups, log] if log.exists() else backups
+
+
+def _wait_port_free(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {port} still in use {timeout_s:.0f}s after its process was killed") \
+                        from None
+        time.sleep(0.1)
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ _STRICT = {"fieldValidation": "Strict"}
 _WATCH_READ_TIMEOUT_S = 90
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _PAGE = 500  # objects per LIST page
+# The API server stores objects nested up to 10,000 levels (a Task's free-form payload);
+# Python's JSON decoder recurses once per level, kopf's included. Enough headroom for all.
+_RECURSION_LIMIT = 30_000
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ LEASES = Resource("coordination.k8s.io", "v1", "leases")
 PODS = Resource("", "v1", "pods")
 EVENTS = Resource("", "v1", "events")
 NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
+CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False)
 
 
 class Kube:
@@ -83,6 +88,9 @@ class Kube:
             raise errors.Unreachable(f"no usable cluster configuration: {exc}") from None
         configuration.connection_pool_maxsize = pool_size
         configuration.retries = 0
+        # Any object the API server accepts must be readable, or one deeply nested Task
+        # would stop every watch (and kopf) that meets it.
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), _RECURSION_LIMIT))
         return cls(client.ApiClient(configuration), namespace or default_ns)
 
     # -- requests ---------------------------------------------------------------
@@ -156,6 +164,12 @@ class Kube:
             if not token:
                 return
             query["continue"] = token
+             label_selector: str = "", field_selector: str = "", limit: int = 0, timeout: float = 30) -> JSON:
+        ns = None if all_namespaces else (namespace or self.namespace)
+        query: dict[str, Any] = _selectors(label_selector, field_selector)
+        if limit:
+            query["limit"] = limit
+        return self.request("GET", res.path(ns), query=query, timeout=timeout)
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:
         return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT, timeout=timeout)
@@ -166,9 +180,11 @@ class Kube:
         return self.request("PUT", res.path(meta["namespace"], meta["name"], sub), body=body, query=_STRICT,
                             timeout=timeout)
 
-    def merge_patch(self, res: Resource, name: str, patch: JSON, *, namespace: str | None = None) -> JSON:
+    def merge_patch(self, res: Resource, name: str, patch: JSON, *, namespace: str | None = None,
+                    timeout: float = 30) -> JSON:
+        """Never creates (404 when absent); conditional when `patch` carries metadata.resourceVersion."""
         return self.request("PATCH", res.path(namespace or self.namespace, name), body=patch,
-                            content_type="application/merge-patch+json", query=_STRICT)
+                            content_type="application/merge-patch+json", query=_STRICT, timeout=timeout)
 
     def delete(self, res: Resource, name: str, *, namespace: str | None = None,
                preconditions: JSON | None = None) -> None:

@@ -3,7 +3,9 @@
 A restarted watch asks for the last resourceVersion it saw, so nothing that happened
 while it reconnected is missed; when the server no longer has that version (410 Gone)
 it lists again and reports what disappeared meanwhile as deletions. Lists are paginated
-(`limit`/`continue`): a large queue never arrives as one huge answer.
+(`limit`/`continue`): a large queue never arrives as one huge answer. Failures are retried
+with capped exponential backoff (`api.retry.Backoff`); only a 410 relists, and a permanent
+error (no rights, no CRD) stops the thread with `error` set, logged once.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import threading
 from collections.abc import Callable
 
 from tasklease.api import errors
+from tasklease.api.retry import Backoff, transient
 from tasklease.kube import JSON, Kube, Resource
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[str, JSON], None]
-_RETRY_S = 1.0
 
 
 class Reflector:
@@ -57,22 +59,30 @@ class Reflector:
         self._stop.set()
 
     def _run(self) -> None:
+        backoff = Backoff(base_s=0.5, cap_s=30.0)
         while not self._stop.is_set():
             try:
                 if not self._rv:
                     self._relist()
                 self._watch()
+                backoff.reset()  # a stream that ended normally: resume at once
             except errors.Gone:
                 self._rv = ""
-            except (errors.Unreachable, errors.ServerError) as exc:
+            except errors.TaskleaseError as exc:
                 self.error = exc
-                log.warning("watch of %s interrupted (%s); resuming", self.resource.plural, exc)
-                self._stop.wait(_RETRY_S)
+                if not transient(exc):
+                    log.error("watch of %s stopped: %s", self.resource.plural, exc)
+                    return
+                delay = backoff.next()
+                log.warning("watch of %s interrupted (%s); resuming in %.1fs", self.resource.plural, exc, delay)
+                self._stop.wait(delay)
             except Exception as exc:  # noqa: BLE001 - a dead watch thread would freeze the agent's view
+                # Something we could not read (a bug, a malformed event): start over.
                 self.error = exc
-                log.error("watch of %s failed: %s; starting over", self.resource.plural, exc)
                 self._rv = ""
-                self._stop.wait(_RETRY_S)
+                delay = backoff.next()
+                log.error("watch of %s failed: %s; resuming in %.1fs", self.resource.plural, exc, delay)
+                self._stop.wait(delay)
 
     def _relist(self) -> None:
         seen: set[str] = set()

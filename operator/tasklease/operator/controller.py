@@ -11,28 +11,37 @@ kopf choices, on purpose (see docs/operator.md):
 - kopf posts no Events of its own (`settings.posting.enabled = False`); the reconciler
   posts one per abnormal task transition (and per happy one with `--events=all`).
   Peering is off (`standalone`): HA is a Lease election.
+- `health.Health` checks what kopf does not: our rights at start (readiness fails and says
+  which are missing, rechecked until fixed), the reconciler and election threads
+  (liveness), kopf's watches (from its log), and the Task CRD's identity, from a watch of
+  that one CRD: when it is deleted and recreated, kopf's watches are restarted. A healthy
+  idle operator makes no request.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import socket
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
 from typing import Any
 
 import kopf
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tasklease.api import errors, models
+from tasklease.api import models
 from tasklease.operator import metrics
 from tasklease.protocol import record
 from tasklease.kube import Kube
-from tasklease.operator.health import WatchHealth
+from tasklease.operator.health import CRD_NAME, Health, WatchHealth
 from tasklease.operator.leader import ElectionConfig, LeaderElector
+from tasklease.operator.options import validate
 from tasklease.operator.reconciler import Reconciler
 
 log = logging.getLogger("tasklease.operator")
@@ -41,8 +50,10 @@ AGENT_POD_SELECTOR = "tasklease.dev/agent=true"
 
 
 def run_operator(args: argparse.Namespace) -> int:
-    if args.all_namespaces and args.namespaces:
-        raise errors.Invalid("--all-namespaces and --namespace exclude each other")
+    validate(args)
+    # Until kopf installs its own handler (and between its restarts) SIGTERM still means a
+    # clean exit 0 through the `finally` below, not death by signal.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, pool_size=32)
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
     reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
@@ -58,11 +69,14 @@ def run_operator(args: argparse.Namespace) -> int:
             lease_duration_s=duration, renew_deadline_s=duration * 2 / 3, retry_period_s=max(duration / 7.5, 0.2))
         elector = LeaderElector(kube, config, identity=identity, on_started=reconciler.activate,
                                 on_stopped=reconciler.deactivate)
-    health = WatchHealth()
-    health.attach()
-    server = _serve_http(args.http_host, args.http_port, reconciler, ready, health) if args.http_port else None
     workers = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler", daemon=True)
+    health = Health(kube, reconciler, namespaces=args.namespaces, threads=[workers],
+                    elector_alive=elector.alive if elector else None, watches=WatchHealth())
+    health.watches.attach()
+    health.check()
+    server = _serve_http(args.http_host, args.http_port, ready, health) if args.http_port else None
     workers.start()
+    threading.Thread(target=health.run, args=(stop,), name="health", daemon=True).start()
     if elector is not None:
         elector.start()
     else:
@@ -71,36 +85,58 @@ def run_operator(args: argparse.Namespace) -> int:
              "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
-        _run_kopf(reconciler, kube, args, ready, identity, health)
+        while _run_kopf(reconciler, kube, args, ready, identity, health):
+            ready.clear()
     finally:
         stop.set()
         if elector is not None:
-            elector.stop()
+            elector.stop(timeout_s=2.0)  # hands the Lease over if we lead
         if server is not None:
             server.shutdown()
+        log.info("operator %s stopped", identity)
     return 0
 
 
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def _run_kopf(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event,
-              identity: str, health: WatchHealth) -> None:
+              identity: str, health: Health) -> bool:
+    """Run kopf until SIGTERM/SIGINT (False) or until the Task CRD is recreated (True)."""
+    # An asyncio.Event on our own loop, not a threading.Event or a concurrent Future: kopf
+    # waits for those in an executor thread that cannot be cancelled, which hangs its
+    # shutdown on SIGTERM.
+    loop = asyncio.new_event_loop()
+    restart = asyncio.Event()
+    health.on_crd_recreated = lambda: loop.call_soon_threadsafe(restart.set)
     registry = _registry(reconciler, kube, health)
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # Our identity, not kopf's default: that asks getpass.getuser(), which fails for a uid
     # without a passwd entry (the image's 65532).
-    kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
-             namespaces=args.namespaces or (), ready_flag=ready,
-             identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
+    try:
+        kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
+                 namespaces=args.namespaces or (), ready_flag=ready, stop_flag=restart, loop=loop,
+                 identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
+    finally:
+        health.on_crd_recreated = lambda: None
+        loop.close()
+    if restart.is_set():
+        log.warning("the Task CRD was recreated: restarting the watches")
+    return restart.is_set()
 
 
-def _registry(reconciler: Reconciler, kube: Kube, health: WatchHealth) -> kopf.OperatorRegistry:
+def _registry(reconciler: Reconciler, kube: Kube, health: Health) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.watching.label_selectors["coordination.k8s.io", "leases"] = record.MANAGED_SELECTOR
         settings.watching.label_selectors["v1", "pods"] = AGENT_POD_SELECTOR
+        settings.watching.field_selectors["apiextensions.k8s.io", "customresourcedefinitions"] = \
+            f"metadata.name={CRD_NAME}"
         settings.posting.enabled = False
         # Reconnect at least every 5 minutes; kopf's inactivity timeout (70 s, with
         # bookmarks) catches a silently dead stream sooner.
@@ -113,13 +149,17 @@ def _registry(reconciler: Reconciler, kube: Kube, health: WatchHealth) -> kopf.O
 
     @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
     async def task_event(event: kopf.RawEvent, **_: Any) -> None:
-        health.event()
+        health.watches.event()
         reconciler.on_task(event.get("type") or "ADDED", dict(event["object"]))
 
     @kopf.on.event("coordination.k8s.io", "v1", "leases", registry=registry)
     async def lease_event(event: kopf.RawEvent, **_: Any) -> None:
-        health.event()
+        health.watches.event()
         reconciler.on_lease(event.get("type") or "ADDED", dict(event["object"]))
+
+    @kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=registry)
+    async def crd_event(event: kopf.RawEvent, **_: Any) -> None:
+        health.on_crd(event.get("type") or "ADDED", dict(event["object"]))
 
     @kopf.on.event("v1", "pods", registry=registry)
     async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
@@ -141,24 +181,25 @@ def _connection_info(kube: Kube) -> kopf.ConnectionInfo:
         scheme=scheme or None, token=value or None, default_namespace=kube.namespace)
 
 
-def _serve_http(host: str, port: int, reconciler: Reconciler, ready: threading.Event,
-                health: WatchHealth) -> ThreadingHTTPServer:
+def _serve_http(host: str, port: int, ready: threading.Event, health: Health) -> ThreadingHTTPServer:
+    reconciler = health.reconciler
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path == "/metrics":
                 self._reply(200, generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
-                self._reply(200, b"ok\n")
+                dead = health.dead()
+                self._reply(503 if dead else 200, (dead or "ok").encode() + b"\n")
             elif self.path == "/readyz":
                 # A leader is ready once it has reconciled every Task that existed when it
-                # started leading (the initial backlog); a standby once its watches run. Either
-                # is unready while a watch keeps failing.
+                # started leading (the initial backlog); a standby once its watches run.
                 role = "leader" if reconciler.active.is_set() else "standby"
-                problem = health.problem()
-                if not ready.is_set() or (role == "leader" and not reconciler.caught_up.is_set()):
+                why = health.not_ready()
+                if why:
+                    self._reply(503, f"not ready: {why}\n".encode())
+                elif not ready.is_set() or (role == "leader" and not reconciler.caught_up.is_set()):
                     self._reply(503, f"starting {role}\n".encode())
-                elif problem is not None:
-                    self._reply(503, f"watch failing ({role}): {problem}\n".encode())
                 else:
                     self._reply(200, f"ready {role}\n".encode())
             else:

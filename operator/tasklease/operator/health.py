@@ -1,6 +1,11 @@
-"""Watch health for /readyz: kopf restarts a failing watch by itself and says so only in its log.
+"""Readiness and liveness: our rights, our threads, the Task CRD, and kopf's watches.
 
-`WatchHealth` listens to that log. A failed API request (kopf retries it, logging each
+`Health` checks what kopf does not: the rights to what we watch (at start, and again while
+missing), the reconciler and election threads, and the Task CRD's identity (a recreated
+CRD restarts kopf's watches).
+
+kopf restarts a failing watch by itself and says so only in its log: `WatchHealth` listens
+to that log. A failed API request (kopf retries it, logging each
 failure) makes the operator unready until `quiet_s` pass without another one; a resource
 kopf refuses to watch at all (no permission, no CRD) keeps it unready until an event of
 any watched kind arrives afterwards. An idle operator with healthy watches stays ready: no
@@ -14,10 +19,16 @@ import threading
 import time
 from collections.abc import Callable
 
+from tasklease.api import errors, models
+from tasklease.kube import CRDS, JSON, LEASES, PODS, TASKS, Kube
+from tasklease.operator.reconciler import Reconciler
+
 # kopf's API client logs each failed request here; its observer logs the resources it cannot watch.
 REQUEST_LOGGERS = ("kopf._cogs.clients",)
 WATCH_LOGGERS = ("kopf._core.reactor.observation",)
 QUIET_S = 30.0
+log = logging.getLogger("tasklease.operator")
+CRD_NAME = f"{models.PLURAL}.{models.GROUP}"
 
 
 class WatchHealth:
@@ -65,3 +76,73 @@ class _Handler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self._record(record.getMessage().splitlines()[0][:300])
+
+
+class Health:
+    """Readiness and liveness beyond kopf's own start. Requests only at start and, while
+    something is wrong, every `interval_s` until it is fixed."""
+
+    def __init__(self, kube: Kube, reconciler: Reconciler, *, namespaces: list[str] | None,
+                 threads: list[threading.Thread], elector_alive: Callable[[], bool] | None,
+                 watches: WatchHealth, interval_s: float = 10.0) -> None:
+        self.kube = kube
+        self.reconciler = reconciler
+        self.namespaces = namespaces
+        self.threads = threads
+        self.elector_alive = elector_alive
+        self.watches = watches
+        self.interval_s = interval_s
+        self.problem = ""  # why we are not ready, from the last check
+        self.on_crd_recreated: Callable[[], object] = lambda: None
+        self._crd_uid = ""
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval_s):
+            if not self.problem:
+                continue
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - the health check must outlive its own bugs
+                log.exception("health check failed")
+
+    def on_crd(self, kind: str, obj: JSON) -> None:
+        """A watch event of the Task CRD."""
+        if kind == "DELETED":
+            self.problem = f"the Task CRD ({models.PLURAL}.{models.GROUP}) was deleted"
+            log.error("not ready: %s", self.problem)
+            return
+        uid = obj["metadata"]["uid"]
+        if self._crd_uid and uid != self._crd_uid:
+            self.problem = ""
+            self.on_crd_recreated()
+        self._crd_uid = uid
+
+    def check(self) -> None:
+        """Our rights to what we watch, and the CRD's identity."""
+        problem = ""
+        try:
+            crd = self.kube.get(CRDS, CRD_NAME, timeout=10)
+            self.on_crd("ADDED", crd)
+            scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
+            for ns in scopes:
+                for res in (TASKS, LEASES, PODS):
+                    self.kube.list(res, namespace=ns, all_namespaces=ns is None, limit=1, timeout=10)
+        except errors.NotFound:
+            problem = f"the Task CRD ({models.PLURAL}.{models.GROUP}) is not installed"
+        except (errors.Forbidden, errors.CRDMissing) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        except errors.TaskleaseError as exc:
+            problem = f"the API server does not answer: {exc}"
+        if problem and problem != self.problem:
+            log.error("not ready: %s", problem)
+        self.problem = problem
+
+    def not_ready(self) -> str:
+        return self.problem or self.reconciler.problem or self.dead() or self.watches.problem() or ""
+
+    def dead(self) -> str:
+        """Why the process should be restarted: a thread it cannot live without has died."""
+        gone = [t.name for t in self.threads if not t.is_alive()]
+        if self.elector_alive is not None and not self.elector_alive():
+            gone.append("leader-election")
+        return f"thread(s) died: {', '.join(gone)}" if gone else ""

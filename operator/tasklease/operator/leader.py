@@ -60,11 +60,26 @@ class LeaderElector:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def alive(self) -> bool:
+        """False once the election thread has died (liveness reports it); True before start."""
+        return self._thread.is_alive() or self._thread.ident is None or self._stop.is_set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop campaigning: hand over the Lease if we lead, and call on_stopped."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
+        try:
+            self._campaign()
+        except Exception:  # noqa: BLE001 - say why, step down; liveness reports the dead thread
+            log.exception("leader election stopped")
+        finally:
+            if self.leading.is_set():
+                self._release()
+                self._step_down()
+
+    def _campaign(self) -> None:
         last_renew = 0.0
         while not self._stop.is_set():
             acquired = self._try_acquire_or_renew()
@@ -74,14 +89,23 @@ class LeaderElector:
                 if not self.leading.is_set():
                     log.info("became the leader (%s/%s as %s)", self.config.namespace, self.config.name, self.identity)
                     self.leading.set()
-                    self.on_started()
+                    try:
+                        self.on_started()
+                    except Exception:  # noqa: BLE001 - a leader that cannot act must not keep the Lease
+                        log.exception("could not start leading; handing over")
+                        self._release()
+                        self._step_down()
             elif self.leading.is_set() and now - last_renew > self.config.renew_deadline_s:
                 log.warning("lost leadership: no renewal for %.0fs", self.config.renew_deadline_s)
-                self.leading.clear()
-                self.on_stopped()
+                self._step_down()
             self._stop.wait(self.config.retry_period_s)
-        if self.leading.is_set():
-            self._release()
+
+    def _step_down(self) -> None:
+        self.leading.clear()
+        try:
+            self.on_stopped()
+        except Exception:  # noqa: BLE001
+            log.exception("stepping down failed")
 
     def _try_acquire_or_renew(self) -> bool:
         """One step, numbered like client-go's tryAcquireOrRenew."""
@@ -115,4 +139,3 @@ class LeaderElector:
             self._lock.release(self.identity)
         except errors.TaskleaseError as exc:
             log.info("leader election: release skipped (%s)", exc)
-        self.leading.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tasklease.api import errors
 from tasklease.operator.expiry import DEFAULT_GRACE_S
 
 DEFAULT_COALESCE_S = 0.5  # `Reconciler.coalesce_s` for the command; the class itself coalesces nothing unless told
@@ -37,3 +38,24 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttl-seconds-after-finished", type=int, metavar="SECONDS",
                    help="delete finished Tasks (and their Leases) this long after they finish, unless their "
                         "spec.ttlSecondsAfterFinished says otherwise; dead-lettered ones are kept (default: keep all)")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Refuse a configuration that cannot work, once, at start, with the reason."""
+    if args.all_namespaces and args.namespaces:
+        raise errors.Invalid("--all-namespaces and --namespace exclude each other")
+    if args.grace < 0:
+        # An agent gives up at 2/3 of leaseDurationSeconds (its renew deadline); the operator
+        # expires at leaseDurationSeconds + grace. A negative grace could expire a holder that
+        # still believes it holds its task.
+        raise errors.Invalid(f"--grace must be >= 0 (got {args.grace:g}): the operator must never expire a "
+                             "lease before its holder's own renew deadline")
+    if args.ttl_seconds_after_finished is not None and args.ttl_seconds_after_finished < 0:
+        raise errors.Invalid(f"--ttl-seconds-after-finished must be >= 0 (got {args.ttl_seconds_after_finished})")
+    if args.workers < 1:
+        raise errors.Invalid(f"--workers must be at least 1 (got {args.workers})")
+    if not 0 <= args.http_port <= 65535:
+        raise errors.Invalid(f"--http-port must be a port number or 0 (got {args.http_port})")
+    if args.leader_elect and args.leader_election_lease_duration < 1:
+        raise errors.Invalid(f"--leader-election-lease-duration must be at least 1 second "
+                             f"(got {args.leader_election_lease_duration:g})")

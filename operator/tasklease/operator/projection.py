@@ -51,6 +51,9 @@ def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, n
     if status.phase is Phase.PENDING and scheduled is not None and scheduled > now:
         status.reason = "Scheduled"
         status.not_before = max(status.not_before or scheduled, scheduled)
+    # The attempt is a fencing epoch: it never goes down, even if the Lease's leaseTransitions
+    # was lowered by hand (the next claim then starts above this, see rules.attempts_made).
+    status.attempt = max(status.attempt, old.attempt)
     status.observed_generation = generation
     status.conditions = _conditions(status, old.conditions, generation=generation, now=now)
     return status

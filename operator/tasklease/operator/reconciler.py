@@ -30,12 +30,13 @@ from datetime import datetime
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
+from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, metrics, projection
 from tasklease.protocol import record
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
 from tasklease.protocol import LeaseRecord, Protocol, TaskView
-from tasklease.protocol.rules import Blocker, blocker
+from tasklease.protocol.rules import Blocker, blocker, invalid_payload
 from tasklease.api.models import Phase
 
 log = logging.getLogger("tasklease.operator")
@@ -43,7 +44,10 @@ log = logging.getLogger("tasklease.operator")
 Key = tuple[str, str]  # (namespace, name)
 _TERMINATED_POD_PHASES = ("Succeeded", "Failed")
 _MAX_WAIT_S = 5.0
-_CONFLICT_RETRY_S = 0.2
+_CONFLICT_RETRY_S = 0.2  # the first retry after a 409 (backoff base); other errors start at 1 s
+_RETRY_CAP_S = 30.0
+# A gone Pod is remembered this long (longer than any lease duration), then forgotten.
+_POD_MEMORY_S = 2 * 3600.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
 # What a decision or a status write needs of a Task's metadata; the rest (managedFields,
@@ -72,7 +76,9 @@ class Reconciler:
         self._backlog: set[Key] | None = None  # None: not counted yet
         self._tasks: dict[Key, JSON] = {}
         self._leases: dict[Key, LeaseRecord] = {}
-        self._pods_alive: dict[Key, bool] = {}
+        self._pods_gone: dict[Key, float] = {}  # pod → when (monotonic) we saw it deleted or terminated
+        self._retries: dict[Key, Backoff] = {}
+        self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
         self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic, grace_s=grace_s)
         self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
         self._pending: OrderedDict[Key, None] = OrderedDict()
@@ -148,14 +154,26 @@ class Reconciler:
         meta = obj["metadata"]
         pod = (meta["namespace"], meta["name"])
         alive = kind != "DELETED" and (obj.get("status") or {}).get("phase") not in _TERMINATED_POD_PHASES
+        now = self.monotonic()
         with self._cond:
-            if self._pods_alive.get(pod) == alive:
+            for old in [p for p, at in self._pods_gone.items() if now - at > _POD_MEMORY_S]:
+                del self._pods_gone[old]
+            if alive:
+                # A new pod of the same name (a StatefulSet's) is not the one that went away.
+                self._pods_gone.pop(pod, None)
                 return
-            self._pods_alive[pod] = alive
-            if not alive:
-                for key, rec in self._leases.items():
-                    if key[0] == pod[0] and rec.state == record.HELD and rec.holder_pod == pod[1]:
-                        self._enqueue(key)
+            if pod in self._pods_gone:
+                return
+            self._pods_gone[pod] = now
+            for key, rec in self._leases.items():
+                if key[0] == pod[0] and rec.state == record.HELD and rec.holder_pod == pod[1]:
+                    self._enqueue(key)
+
+    def _holder_pod_gone(self, key: Key, rec: LeaseRecord) -> bool:
+        """Caller holds the lock. True when the holder's Pod went away *after* we saw this
+        version of its Lease: a Lease written later may come from a new pod of the same name."""
+        gone_at = self._pods_gone.get((rec.namespace, rec.holder_pod))
+        return gone_at is not None and self.monotonic() - self._lease_clock.silent_for(key) <= gone_at
 
     def activate(self) -> None:
         """Start acting (we lead): every held lease gets a full duration from now. The Leases
@@ -244,14 +262,21 @@ class Reconciler:
             try:
                 if self.active.is_set():
                     self.reconcile(key)
+                with self._cond:
+                    self._retries.pop(key, None)
+                self.problem = ""
             except errors.Conflict:
                 # Our picture is behind; the watch brings the newer version in a moment.
-                with self._cond:
-                    self._deadlines.schedule(key, self.monotonic() + _CONFLICT_RETRY_S)
+                self._retry(key, base_s=_CONFLICT_RETRY_S)
             except errors.TaskleaseError as exc:
-                log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
-                with self._cond:
-                    self._deadlines.schedule(key, self.monotonic() + 1.0)
+                if transient(exc):
+                    log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
+                    self._retry(key, base_s=1.0)
+                else:
+                    # Rights or a refused write: retrying will not help. Say so (readiness
+                    # too); the task's next watch event brings it back.
+                    self.problem = f"task {key[0]}/{key[1]}: {exc}"
+                    log.error("%s; not retrying until it changes", self.problem)
             except Exception:  # noqa: BLE001 - a bug must not stop the other tasks
                 log.exception("task %s/%s: reconcile failed", *key)
             finally:
@@ -261,6 +286,11 @@ class Reconciler:
                         self._backlog.discard(key)
                         self._check_caught_up()
                     self._cond.notify_all()
+
+    def _retry(self, key: Key, *, base_s: float) -> None:
+        with self._cond:
+            backoff = self._retries.setdefault(key, Backoff(base_s=base_s, cap_s=_RETRY_CAP_S))
+            self._deadlines.schedule(key, self.monotonic() + backoff.next())
 
     def _take(self) -> Key | None:
         with self._cond:
@@ -309,12 +339,23 @@ class Reconciler:
                     log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
             if task is None:
                 return
+        if rec is None and _claimed_before(task):
+            rec = self._find_unlabelled(task)
         view = TaskView.of(task)
         rec = self._act(view, rec)
         self._project(key, task, rec)
         if self._clean_up(key, view, rec):
             return
         self._schedule(key, view, rec)
+
+    def _find_unlabelled(self, task: JSON) -> LeaseRecord | None:
+        """The Lease of a task that was claimed but whose Lease our (label-selected) watch does
+        not show: found by name and owner, its labels put back so every watch sees it again."""
+        rec = self.protocol.read(task["metadata"]["namespace"], task["metadata"]["name"])
+        if rec is None or rec.owner_uid != task["metadata"]["uid"]:
+            return None
+        log.warning("lease %s/%s: its labels were removed; putting them back", rec.namespace, rec.name)
+        return self._remember(None, self.protocol.repair(TaskView.of(task), rec))
 
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
         """Steps 1 and 2: at most one protocol write; returns the Lease as it now is. What to
@@ -323,6 +364,9 @@ class Reconciler:
         if found is Blocker.CANCELLED:
             return self._remember(rec, self.protocol.close(view, rec, phase=Phase.CANCELLED, reason="Cancelled",
                                                            message="cancelled on request (spec.cancel)"))
+        if found is Blocker.INVALID_PAYLOAD:
+            return self._remember(rec, self.protocol.close(view, rec, phase=Phase.FAILED, reason="InvalidPayload",
+                                                           message=invalid_payload(view.spec)))
         if found is Blocker.PAST_DEADLINE:
             assert view.spec.deadline is not None
             return self._remember(rec, self.protocol.close(
@@ -337,7 +381,7 @@ class Reconciler:
             return rec  # claimable, backing off, or finished for good (I4)
         key = (view.namespace, view.name)
         with self._cond:
-            pod_gone = self._pods_alive.get((rec.namespace, rec.holder_pod)) is False
+            pod_gone = self._holder_pod_gone(key, rec)
             timed_out = self._lease_clock.expired(key, rec.resource_version)
             silent = self._lease_clock.silent_for(key)
         if not (pod_gone or timed_out):
@@ -503,6 +547,11 @@ def _slim(task: JSON) -> JSON:
     return {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
             "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta},
             "spec": task.get("spec", {}), "status": task.get("status")}
+
+
+def _claimed_before(task: JSON) -> bool:
+    status = task.get("status") or {}
+    return bool(status.get("attempt") or status.get("holder"))
 
 
 def _key(obj: JSON) -> Key:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from tasklease.api import errors
 from tasklease.api.timestamps import Clock, now_utc
 from tasklease.kube import LEASES, Kube
-from tasklease.protocol.record import LeaseRecord, decode, encode
+from tasklease.protocol.record import LeaseRecord, decode, encode, encode_patch
 
 
 class ElectionLock:
@@ -28,7 +28,7 @@ class ElectionLock:
 
     def hold(self, current: LeaseRecord | None, identity: str, *, duration_s: float,
              timeout: float = 30) -> LeaseRecord:
-        """Take or renew the lock for `identity`: a create, or a PUT conditional on `current`.
+        """Take or renew the lock for `identity`: a create, or a PATCH conditional on `current`.
         Conflict when someone else wrote first. A new holder counts one more transition."""
         now = self.clock()
         if current is None:
@@ -39,7 +39,8 @@ class ElectionLock:
         rec = replace(current, holder=identity, duration_s=int(duration_s), renewed_at=now,
                       acquired_at=now if taking_over else current.acquired_at,
                       epoch=current.epoch + (1 if taking_over else 0))
-        return decode(self.kube.replace(LEASES, encode(rec), timeout=timeout))
+        return decode(self.kube.merge_patch(LEASES, self.name, encode_patch(rec), namespace=self.namespace,
+                                            timeout=timeout))
 
     def release(self, identity: str) -> None:
         """Hand over at once (a clean shutdown) if we still hold it; any error is only logged by the caller."""
@@ -47,6 +48,7 @@ class ElectionLock:
         if current is None or current.holder != identity:
             return
         try:
-            self.kube.replace(LEASES, encode(replace(current, holder="")))
-        except errors.Conflict:
+            self.kube.merge_patch(LEASES, self.name, encode_patch(replace(current, holder="")),
+                                  namespace=self.namespace)
+        except (errors.Conflict, errors.NotFound):
             pass  # someone else wrote meanwhile: it is not ours to release any more

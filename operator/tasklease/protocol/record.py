@@ -29,6 +29,9 @@ ANN_HISTORY: Final = "tasklease.dev/history"
 ANN_BUDGET_FROM: Final = "tasklease.dev/budget-from"
 
 MANAGED_SELECTOR: Final = f"{LABEL_MANAGED}=tasklease"
+# What our writes own; any other label or annotation on a Lease is left as it is.
+OWNED_LABELS: Final = (LABEL_MANAGED, LABEL_QUEUE, LABEL_STATE, LABEL_HOLDER_POD)
+OWNED_ANNOTATIONS: Final = (ANN_OUTCOME, ANN_REASON, ANN_RESULT, ANN_ERROR, ANN_NOT_BEFORE, ANN_HISTORY)
 
 FREE, HELD, CLOSED = "free", "held", "closed"
 _DEFAULT_DURATION_S: Final = int(models.TaskSpec.model_fields["lease_duration_seconds"].default)
@@ -129,6 +132,20 @@ def encode(rec: LeaseRecord) -> JSON:
                   "acquireTime": format_time(rec.acquired_at), "renewTime": format_time(rec.renewed_at)}
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
 
+
+def encode_patch(rec: LeaseRecord) -> JSON:
+    """A JSON merge patch that makes the Lease say `rec`: conditional on rec.resource_version
+    (409 if it moved) and, unlike a PUT, never a create (404 if the Lease is gone: Leases
+    allow create-on-update, and only a claim may create one). Labels and annotations we do
+    not own stay as they are; ours are set, or removed (null) when `rec` has none."""
+    full = encode(rec)
+    meta = full["metadata"]
+    patch_meta: JSON = {"resourceVersion": rec.resource_version,
+                        "annotations": {k: meta["annotations"].get(k) for k in OWNED_ANNOTATIONS}}
+    if rec.owner_uid:
+        patch_meta["labels"] = {k: meta["labels"].get(k) for k in OWNED_LABELS}
+        patch_meta["ownerReferences"] = meta["ownerReferences"]
+    return {"metadata": patch_meta, "spec": full["spec"]}
 
 
 def label_value(value: str) -> str:

@@ -52,6 +52,7 @@ class Blocker(enum.Enum):
     FOREIGN = "foreign"  # its Lease belongs to an older task of the same name
     CLOSED = "closed"
     CANCELLED = "cancelled"
+    INVALID_PAYLOAD = "invalid-payload"  # nested deeper than models.MAX_PAYLOAD_DEPTH
     PAST_DEADLINE = "past-deadline"
     SCHEDULED = "scheduled"  # spec.notBefore is still ahead: a delayed start
     HELD = "held"
@@ -69,6 +70,8 @@ def blocker(task: TaskView, rec: LeaseRecord | None, now: datetime) -> Blocker |
         return Blocker.CLOSED
     if task.spec.cancel:
         return Blocker.CANCELLED
+    if models.payload_depth(task.spec.payload) > models.MAX_PAYLOAD_DEPTH:
+        return Blocker.INVALID_PAYLOAD
     if task.spec.deadline is not None and now >= task.spec.deadline:
         return Blocker.PAST_DEADLINE
     if task.spec.not_before is not None and now < task.spec.not_before:
@@ -101,18 +104,35 @@ def why_not_claimable(task: TaskView, rec: LeaseRecord | None, now: datetime) ->
         return f"backing off until {format_time(rec.not_before)}"
     if found is Blocker.SCHEDULED:
         return f"scheduled for {format_time(task.spec.not_before)}"
+    if found is Blocker.INVALID_PAYLOAD:
+        return invalid_payload(task.spec)
     return {Blocker.CANCELLED: "cancelled", Blocker.PAST_DEADLINE: "past its deadline"}.get(found, "attempts spent")
+
+
+def invalid_payload(spec: models.TaskSpec) -> str:
+    return (f"its payload is nested {models.payload_depth(spec.payload)} levels deep; "
+            f"the limit is {models.MAX_PAYLOAD_DEPTH}")
+
+
+def attempts_made(task: TaskView, rec: LeaseRecord | None) -> int:
+    """The highest epoch ever handed out for `task`, from every place that remembers one: the
+    Lease (whose leaseTransitions anyone with rights can lower by hand), its attempt history,
+    and the status projection (which survives the Lease's deletion). Fencing needs the next
+    epoch to exceed all of them."""
+    epochs = [task.status_attempt]
+    if rec is not None:
+        epochs += [rec.epoch, *(a.attempt for a in rec.history)]
+    return max(epochs)
 
 
 def attempts_used(task: TaskView, rec: LeaseRecord) -> int:
     """Claims made since the last `tasklease retry` (or ever): what maxAttempts bounds."""
-    return max(rec.epoch, task.status_attempt) - rec.budget_from
+    return attempts_made(task, rec) - rec.budget_from
 
 
 def claimed(task: TaskView, rec: LeaseRecord | None, holder: str, now: datetime) -> LeaseRecord:
     base = rec or fresh_record(task)
-    # The status projection remembers the epoch even if the Lease was deleted by hand.
-    epoch = max(base.epoch, task.status_attempt) + 1
+    epoch = attempts_made(task, rec) + 1
     entry = models.Attempt(attempt=epoch, holder=holder, claimed_at=now)
     return replace(base, holder=holder, epoch=epoch, duration_s=task.spec.lease_duration_seconds,
                    acquired_at=now, renewed_at=now, not_before=None,
@@ -129,7 +149,8 @@ def ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", c
         history = (*history[:-1], last)
     # lastError tells why a task is not done yet; a success has nothing left to explain.
     error = "" if close == models.Phase.SUCCEEDED.value else (
-        message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") else rec.error)
+        message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") or close == models.Phase.FAILED.value
+        else rec.error)
     return replace(rec, holder="", renewed_at=now, outcome=close, reason=reason, result=result,
                    error=error, not_before=not_before, history=history)
 

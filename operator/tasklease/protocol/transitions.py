@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from tasklease.api import errors, models
 from tasklease.api.timestamps import Clock, now_utc
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.protocol.record import CLOSED, HELD, LeaseRecord, decode, encode
+from tasklease.protocol.record import CLOSED, HELD, LeaseRecord, decode, encode, encode_patch
 from tasklease.protocol.rules import (
     TaskView,
     attempts_used,
@@ -191,16 +191,26 @@ class Protocol:
 
     # internals
 
+    def repair(self, task: TaskView, rec: LeaseRecord) -> LeaseRecord:
+        """Write `rec` back, labelled again from its Task: puts back the labels a hand edit
+        stripped, so that the watches (the operator's and the agents', by label) see it again."""
+        return self._write(replace(rec, queue=task.spec.queue))
+
     def _write(self, rec: LeaseRecord, *, create: bool = False, timeout: float = 30) -> LeaseRecord:
-        body = encode(rec)
+        """Only a claim (or the operator closing a never-claimed task) creates; every other
+        write is a conditional PATCH that answers 404 (NotFound) if the Lease is gone."""
         if create:
+            body = encode(rec)
             body["metadata"].pop("resourceVersion", None)
             return decode(self.kube.create(LEASES, body, namespace=rec.namespace, timeout=timeout))
-        return decode(self.kube.replace(LEASES, body, timeout=timeout))
+        return decode(self.kube.merge_patch(LEASES, rec.name, encode_patch(rec), namespace=rec.namespace,
+                                            timeout=timeout))
 
     def _ours(self, namespace: str, name: str, *, holder: str, epoch: int) -> LeaseRecord:
         rec = self.read(namespace, name)
         if rec is None:
+            if self.kube.get_or_none(TASKS, name, namespace=namespace) is None:
+                raise errors.NotFound(f"task {namespace}/{name} does not exist")
             raise errors.LostLease(f"task {namespace}/{name}: its lease is gone")
         return _check_holder(rec, namespace=namespace, name=name, holder=holder, epoch=epoch)
 

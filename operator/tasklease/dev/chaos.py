@@ -1,0 +1,410 @@
+"""`make chaos`: a fleet under random faults, then proof from the evidence that no promise broke.
+
+Load: tasks (a few of them poison: their command always fails) on one queue, `tasklease run
+--loop` agents, two operators with leader election, all on a local control plane of its own.
+Faults, at random until every task is terminal: agent kill -9 (restarted under the same
+or a new pod name), SIGSTOP of an agent past its lease, kill -9 of the leading operator,
+kill -9 of kube-apiserver (restarted by `LocalCluster.restart`).
+
+Evidence: each command appends `start`/`end` lines to an execution log, and the API
+server's audit log holds every Lease write with its answer. Checked:
+every task terminal and none missing; no epoch held by two holders; every Succeeded
+result written by the holder of the final epoch; no stale write accepted (a write whose
+precondition is older than a version already accepted); poison tasks dead-lettered at
+exactly maxAttempts; at most one accepted completion per task; no traceback in any log.
+Exit status 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasklease.api import errors
+from tasklease.api.timestamps import parse_time
+from tasklease.dev.cluster import LocalCluster, audit_files, free_port
+from tasklease.dev.crds import apply_crds
+from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
+from tasklease.protocol import record
+
+NAMESPACE = "chaos"
+QUEUE = "chaos"
+LEASE_S = 5
+POISON_ATTEMPTS = 3
+NORMAL_ATTEMPTS = 30  # faults alone must not dead-letter a healthy task
+FAULTS = ["agent-kill-same", "agent-kill-new", "agent-stop", "leader-kill", "apiserver-kill"]
+WORKER = r"""
+echo "start $TASKLEASE_TASK $TASKLEASE_EPOCH $TASKLEASE_HOLDER" >> "$CHAOS_EXEC_LOG"
+case "$TASKLEASE_PAYLOAD" in *poison*) exit 1;; esac
+sleep "$CHAOS_WORK_S"
+echo "end $TASKLEASE_TASK $TASKLEASE_EPOCH $TASKLEASE_HOLDER" >> "$CHAOS_EXEC_LOG"
+echo "$TASKLEASE_TASK:$TASKLEASE_EPOCH"
+"""
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str]
+    popen: subprocess.Popen[bytes] | None = None
+    port: int = 0
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **self.env}, start_new_session=True)
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait(30)
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGCONT)
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def readyz(self) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as resp:
+                return str(resp.read().decode())
+        except OSError:
+            return ""
+
+
+@dataclass
+class Figures:
+    faults: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    kill_to_requeue_s: list[float] = field(default_factory=list)
+    takeover_s: list[float] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.workdir = Path(args.workdir).resolve()
+        self.cluster = LocalCluster(self.workdir / "cluster")
+        self.logs = self.workdir / "logs"
+        self.exec_log = self.workdir / "exec.log"
+        self.figures = Figures()
+        self.agents: list[Proc] = []
+        self.operators: list[Proc] = []
+        self.kills: list[tuple[float, str]] = []  # (wall time, holder prefix) of killed agents
+        # Every kind of fault once, in random order, then at random.
+        self.planned = self.rng.sample(FAULTS, len(FAULTS))
+        self.kube: Kube
+        self.kubeconfig = ""
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self.cluster.down()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for old in self.logs.glob("*.log"):  # a previous run's logs are not this run's evidence
+            old.unlink()
+        self.exec_log.write_text("")
+        state = self.cluster.up()
+        self.kubeconfig = state.kubeconfig
+        apply_crds(kubeconfig=Path(state.kubeconfig), folder=Path(__file__).resolve().parents[3] / "crds")
+        self.kube = Kube.connect(kubeconfig=state.kubeconfig, namespace=NAMESPACE, pool_size=32)
+        self.kube.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        poison = set(self.rng.sample(range(self.args.tasks), self.args.poison))
+        for i in range(self.args.tasks):
+            spec: dict[str, Any] = {"queue": QUEUE, "leaseDurationSeconds": LEASE_S,
+                                    "backoff": {"initialSeconds": 0, "maxSeconds": 1},
+                                    "maxAttempts": POISON_ATTEMPTS if i in poison else NORMAL_ATTEMPTS,
+                                    "payload": {"poison": True} if i in poison else {"n": i}}
+            self._retry(lambda spec=spec, i=i: self.kube.create(TASKS, {
+                "apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": f"t-{i:05d}"},
+                "spec": spec}))
+        for i in range(self.args.operators):
+            port = free_port()
+            op = Proc(f"operator-{i}", self._cli("operator", f"--namespace={NAMESPACE}",
+                                                 f"--leader-election-namespace={NAMESPACE}", f"--http-port={port}",
+                                                 "--http-host=127.0.0.1", "--grace=1",
+                                                 "--leader-election-lease-duration=6"),
+                      self.logs / f"operator-{i}.log", {}, port=port)
+            op.start()
+            self.operators.append(op)
+        for i in range(self.args.agents):
+            self.agents.append(self._agent(f"agent-{i}"))
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "tasklease.cli", *args[:1], f"--kubeconfig={self.kubeconfig}", *args[1:]]
+
+    def _agent(self, pod: str) -> Proc:
+        agent = Proc(pod, self._cli("run", "--queue", QUEUE, f"--namespace={NAMESPACE}", "--loop", "--grace=2",
+                                    "--", "sh", "-c", WORKER),
+                     self.logs / f"{pod}.log", {"POD_NAME": pod, "CHAOS_EXEC_LOG": str(self.exec_log),
+                                                "CHAOS_WORK_S": str(self.args.work_s)})
+        agent.start()
+        return agent
+
+    @staticmethod
+    def _retry(call: Any) -> Any:
+        for attempt in range(60):
+            try:
+                return call()
+            except (errors.Unreachable, errors.ServerError):
+                time.sleep(min(0.2 * 2 ** attempt, 2))
+        raise RuntimeError("the API server did not come back")
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.args.timeout
+        next_fault = time.monotonic() + 10  # the fleet at work first
+        while not self._all_terminal() or self.planned:  # every kind of fault at least once
+            if time.monotonic() > deadline:
+                self.figures.violations.append(f"not every task terminal after {self.args.timeout:.0f}s")
+                return
+            for i, agent in enumerate(self.agents):
+                code = agent.popen.poll() if agent.popen else None
+                if code is not None:  # exited by itself: `run --loop` must survive faults
+                    self.figures.violations.append(f"{agent.name} exited with code {code}")
+                    self.agents[i] = self._agent(agent.name)
+            if time.monotonic() >= next_fault:
+                self._fault()
+                next_fault = time.monotonic() + self.rng.uniform(0.5, 1.5) * self.args.fault_every
+            time.sleep(1)
+
+    def _all_terminal(self) -> bool:
+        try:
+            items = self.kube.list(TASKS, namespace=NAMESPACE)["items"]
+        except (errors.Unreachable, errors.ServerError):
+            return False
+        open_ = [t for t in items if (t.get("status") or {}).get("phase") not in ("Succeeded", "Failed", "Cancelled")]
+        print(f"chaos: {len(items) - len(open_)}/{len(items)} terminal; faults {dict(self.figures.faults)}",
+              flush=True)
+        return not open_
+
+    def _fault(self) -> None:
+        kind = self.planned.pop() if self.planned else self.rng.choice(FAULTS)
+        if kind.startswith("agent-kill"):
+            i = self.rng.randrange(len(self.agents))
+            victim = self.agents[i]
+            assert victim.popen is not None
+            self.kills.append((time.time(), f"{victim.name}/{victim.popen.pid}."))
+            victim.kill()
+            base = victim.name.split("-r")[0]  # a pod name is a DNS label: agent-3, agent-3-r4da17
+            pod = victim.name if kind == "agent-kill-same" else f"{base}-r{self.rng.randrange(1 << 20):x}"
+            self.agents[i] = self._agent(pod)
+        elif kind == "agent-stop":
+            victim = self.rng.choice(self.agents)
+            victim.signal(signal.SIGSTOP)
+            time.sleep(LEASE_S + 3)  # past its lease: the operator expires what it held
+            victim.signal(signal.SIGCONT)
+        elif kind == "leader-kill":
+            leader = next((op for op in self.operators if op.readyz().startswith("ready leader")), None)
+            if leader is None:
+                return
+            killed = time.monotonic()
+            leader.kill()
+            others = [op for op in self.operators if op is not leader]
+            while time.monotonic() - killed < 60:
+                if any(op.readyz().startswith("ready leader") for op in others):
+                    self.figures.takeover_s.append(time.monotonic() - killed)
+                    break
+                time.sleep(0.2)
+            leader.start()
+        else:
+            self.cluster.restart("kube-apiserver")
+        self.figures.faults[kind] += 1
+        print(f"chaos: fault {kind}", flush=True)
+
+    # -- evidence ------------------------------------------------------------------------
+
+    def check(self) -> None:
+        v = self.figures.violations
+        listed = self._retry(lambda: self.kube.list(TASKS, namespace=NAMESPACE))["items"]
+        tasks = {t["metadata"]["name"]: t for t in listed}
+        missing = self.args.tasks - len(tasks)
+        if missing:
+            v.append(f"{missing} task(s) missing")
+        leases = {o["metadata"]["name"]: record.decode(o)
+                  for o in self._retry(lambda: self.kube.list(LEASES, namespace=NAMESPACE))["items"]}
+        starts, ends = _exec_log(self.exec_log)
+        for name, task in tasks.items():
+            status = task.get("status") or {}
+            spec = task["spec"]
+            rec = leases.get(name)
+            poison = bool(spec["payload"].get("poison"))
+            if poison:
+                if (status.get("phase"), status.get("reason"), status.get("attempt")) != (
+                        "Failed", "DeadLettered", spec["maxAttempts"]):
+                    v.append(f"{name}: poison task ended {status.get('phase')}/{status.get('reason')} "
+                             f"at attempt {status.get('attempt')}, not dead-lettered at {spec['maxAttempts']}")
+                continue
+            if status.get("phase") != "Succeeded" or rec is None:
+                v.append(f"{name}: ended {status.get('phase')}/{status.get('reason')}, not Succeeded")
+                continue
+            last = rec.history[-1] if rec.history else None
+            if (rec.result != f"{name}:{rec.epoch}" or last is None or last.attempt != rec.epoch
+                    or last.outcome != "Succeeded" or (name, rec.epoch, last.holder) not in ends):
+                v.append(f"{name}: result {rec.result!r} is not from the holder of the final epoch {rec.epoch}")
+        holders: dict[tuple[str, int], set[str]] = defaultdict(set)
+        for task_name, epoch, holder in starts:
+            holders[(task_name, epoch)].add(holder)
+        self._replay_audit(holders)
+        for (task_name, epoch), who in holders.items():
+            if len(who) > 1:
+                v.append(f"{task_name}: epoch {epoch} held by {len(who)} holders: {sorted(who)}")
+        for log in [*self.logs.glob("*.log")]:
+            if "Traceback" in log.read_text(errors="replace"):
+                v.append(f"a traceback in {log.name}")
+
+    def _replay_audit(self, holders: dict[tuple[str, int], set[str]]) -> None:
+        """Every accepted Lease write, in the order etcd applied them."""
+        v = self.figures.violations
+        writes = []
+        for path in audit_files(self.workdir / "cluster" / "audit.log"):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by kill -9
+                ref = event.get("objectRef") or {}
+                code = (event.get("responseStatus") or {}).get("code", 0)
+                if (ref.get("resource") != "leases" or ref.get("namespace") != NAMESPACE or event.get("stage")
+                        != "ResponseComplete" or event.get("verb") not in ("create", "patch", "update")
+                        or not 200 <= code < 300 or not event.get("responseObject")):
+                    continue
+                writes.append(event)
+        self.audited_writes = len(writes)
+        writes.sort(key=lambda e: int(e["responseObject"]["metadata"]["resourceVersion"]))
+        latest: dict[str, int] = {}
+        outcome: dict[str, str] = {}
+        completions: dict[str, int] = defaultdict(int)
+        self.stale_accepted = 0
+        for event in writes:
+            obj = event["responseObject"]
+            name = obj["metadata"]["name"]
+            pre = ((event.get("requestObject") or {}).get("metadata") or {}).get("resourceVersion")
+            if event["verb"] != "create" and (not pre or int(pre) < latest.get(name, 0)):
+                self.stale_accepted += 1
+                v.append(f"{name}: a write on version {pre} was accepted after version {latest.get(name)}")
+            latest[name] = int(obj["metadata"]["resourceVersion"])
+            rec = record.decode(obj)
+            if rec.holder:
+                holders[(name, rec.epoch)].add(rec.holder)
+            if rec.outcome == "Succeeded" and outcome.get(name) != "Succeeded":
+                completions[name] += 1
+            outcome[name] = rec.outcome
+        self.double_completions = sum(1 for n in completions.values() if n > 1)
+        for name, n in completions.items():
+            if n > 1:
+                v.append(f"{name}: completed {n} times")
+        self._kill_to_requeue(writes)
+
+    def _kill_to_requeue(self, writes: list[dict[str, Any]]) -> None:
+        """From each agent kill -9 to the first accepted write that took its leases away."""
+        for killed_at, prefix in self.kills:
+            held_then = set()
+            for event in writes:
+                rec = record.decode(event["responseObject"])
+                when = _audit_time(event)
+                if when < killed_at and rec.holder.startswith(prefix):
+                    held_then.add(rec.name)
+                elif when >= killed_at and rec.name in held_then and not rec.holder.startswith(prefix):
+                    self.figures.kill_to_requeue_s.append(when - killed_at)
+                    held_then.discard(rec.name)
+
+    # -- output ------------------------------------------------------------------------------
+
+    def report(self) -> int:
+        f = self.figures
+        leases_lost = sum(1 for x in f.violations if "missing" in x or "not Succeeded" in x)
+        print(f"\nchaos: {self.args.tasks} tasks ({self.args.poison} poison), {self.args.agents} agents, "
+              f"{self.args.operators} operators")
+        print(f"  faults: {dict(f.faults)}")
+        print(f"  audited Lease writes: {getattr(self, 'audited_writes', 0)}")
+        print(f"  tasks lost: {leases_lost}; double completions: {getattr(self, 'double_completions', 0)}; "
+              f"stale writes accepted: {getattr(self, 'stale_accepted', 0)}")
+        if f.kill_to_requeue_s:
+            ks = sorted(f.kill_to_requeue_s)
+            print(f"  kill -9 to requeue: n={len(ks)} median {ks[len(ks) // 2]:.1f}s max {ks[-1]:.1f}s")
+        if f.takeover_s:
+            print(f"  leader takeover: n={len(f.takeover_s)} max {max(f.takeover_s):.1f}s")
+        for line in f.violations[:50]:
+            print(f"  VIOLATION: {line}")
+        verdict = f"FAILED: {len(f.violations)} violation(s)" if f.violations else "every invariant held"
+        print(f"chaos: {verdict}")
+        return 1 if f.violations else 0
+
+    def teardown(self) -> None:
+        for p in [*self.agents, *self.operators]:
+            p.stop()
+        if not self.args.keep:
+            self.cluster.down()
+
+
+def _audit_time(event: dict[str, Any]) -> float:
+    when = parse_time(event.get("stageTimestamp"))
+    return when.timestamp() if when else 0.0
+
+
+def _exec_log(path: Path) -> tuple[list[tuple[str, int, str]], set[tuple[str, int, str]]]:
+    starts, ends = [], set()
+    for line in path.read_text(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2].isdigit():
+            entry = (parts[1], int(parts[2]), parts[3])
+            if parts[0] == "start":
+                starts.append(entry)
+            elif parts[0] == "end":
+                ends.add(entry)
+    return starts, ends
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tasklease.dev.chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", type=int, default=1000)
+    p.add_argument("--poison", type=int, default=10, help="tasks whose command always fails")
+    p.add_argument("--agents", type=int, default=6)
+    p.add_argument("--operators", type=int, default=2)
+    p.add_argument("--work-s", type=float, default=1.0, help="seconds each command works")
+    p.add_argument("--fault-every", type=float, default=3.0, help="mean seconds between faults")
+    p.add_argument("--timeout", type=float, default=1200.0, help="give up (a violation) after this long")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--workdir", default=".cache/chaos")
+    p.add_argument("--keep", action="store_true", help="leave the control plane running afterwards")
+    args = p.parse_args(argv)
+    chaos = Chaos(args)
+    try:
+        chaos.setup()
+        try:
+            chaos.run()
+            chaos.check()
+        except (RuntimeError, OSError, errors.TaskleaseError) as exc:  # the harness itself failed: say so
+            chaos.figures.violations.append(f"the run stopped early: {type(exc).__name__}: {str(exc)[:300]}")
+    finally:
+        chaos.teardown()
+    return chaos.report()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""ClaimedTask's renewal logic without an API server: a stand-in Protocol that counts."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+from conftest import wait_for
+from tasklease.agent.sdk import ClaimedTask
+from tasklease.api import models
+from tasklease.protocol import Held, LeaseRecord
+
+
+class CountingProtocol:
+    """Answers renewals at once."""
+
+    def __init__(self) -> None:
+        self.renewals = 0
+
+    def renew(self, held: Held, *, timeout: float = 30) -> Held:
+        self.renewals += 1
+        return held
+
+
+def _claim(protocol: Any) -> ClaimedTask:
+    spec = models.TaskSpec(queue="q", lease_duration_seconds=5)
+    rec = LeaseRecord(name="t", namespace="ns", queue="q", owner_uid="u", holder="p/1", epoch=1, duration_s=5)
+    held = Held(namespace="ns", name="t", holder="p/1", epoch=1, spec=spec, uid="u", record=rec)
+    return ClaimedTask(protocol, held, {}, interrupt=False)
+
+
+def _renewers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "renew-t"]
+
+
+def test_a_claim_dropped_without_an_ending_stops_being_renewed() -> None:
+    protocol = CountingProtocol()
+    task = _claim(protocol)
+    wait_for(lambda: protocol.renewals >= 1, timeout=10, message="a first renewal")
+    del task
+    gc.collect()
+    wait_for(lambda: not _renewers(), timeout=10, message="the renew thread to end")
