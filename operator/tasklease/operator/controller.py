@@ -197,7 +197,7 @@ def _serve_http(host: str, port: int, ready: threading.Event, health: Health) ->
                 role = "leader" if reconciler.active.is_set() else "standby"
                 why = health.not_ready()
                 if why:
-                    self._reply(503, f"not ready: {why}\n".encode())
+                    self._reply(503, f"not ready ({role}): {why}\n".encode())
                 elif not ready.is_set() or (role == "leader" and not reconciler.caught_up.is_set()):
                     self._reply(503, f"starting {role}\n".encode())
                 else:

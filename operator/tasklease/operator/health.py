@@ -138,7 +138,9 @@ class Health:
         self.problem = problem
 
     def not_ready(self) -> str:
-        return self.problem or self.reconciler.problem or self.dead() or self.watches.problem() or ""
+        watching = self.watches.problem()
+        return self.problem or self.reconciler.problem or self.dead() or (f"watch failing: {watching}" if watching
+                                                                          else "")
 
     def dead(self) -> str:
         """Why the process should be restarted: a thread it cannot live without has died."""
