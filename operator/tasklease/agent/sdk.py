@@ -139,8 +139,13 @@ class ClaimedTask:
         # Instant cancel: hear of spec.cancel or the Task's deletion now, not at the next
         # renewal. Held weakly, like the renew thread's reference: a dropped claim is let go.
         cancelled = weakref.WeakMethod(self._cancelled)
+
+        def on_cancel(why: str) -> None:
+            method = cancelled()
+            if method is not None:
+                method(why)
         following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue, name=held.name,
-                                uid=held.uid, on_cancel=lambda why: (m := cancelled()) is not None and m(why))
+                                uid=held.uid, on_cancel=on_cancel)
         threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, held.duration_s, following),
                          name=f"renew-{held.name}", daemon=True).start()
 

@@ -174,7 +174,7 @@ class LocalCluster:
         elif component == "kube-apiserver":
             state.pids[component] = self._start_apiserver(bins, state, pki)
         else:
-            state.pids[component] = self._start_controller_manager(bins, pki)
+            state.pids[component] = self._start_controller_manager(bins, pki, node=state.node)
         self._write_state(state)
         self._wait_ready(state)
         return state

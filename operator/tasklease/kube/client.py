@@ -139,8 +139,13 @@ class Kube:
             return None
 
     def list(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
-             label_selector: str = "", field_selector: str = "", timeout: float = 30) -> JSON:
-        """Every selected object, fetched page by page; `metadata.resourceVersion` is the list's."""
+             label_selector: str = "", field_selector: str = "", limit: int = 0, timeout: float = 30) -> JSON:
+        """Every selected object, fetched page by page; `metadata.resourceVersion` is the list's.
+        With `limit`, only the first page, of at most that many objects."""
+        if limit:
+            return next(self.list_pages(res, namespace=namespace, all_namespaces=all_namespaces, limit=limit,
+                                        label_selector=label_selector, field_selector=field_selector,
+                                        timeout=timeout))
         items: list[JSON] = []
         listed: JSON = {}
         for listed in self.list_pages(res, namespace=namespace, all_namespaces=all_namespaces,
@@ -164,12 +169,6 @@ class Kube:
             if not token:
                 return
             query["continue"] = token
-             label_selector: str = "", field_selector: str = "", limit: int = 0, timeout: float = 30) -> JSON:
-        ns = None if all_namespaces else (namespace or self.namespace)
-        query: dict[str, Any] = _selectors(label_selector, field_selector)
-        if limit:
-            query["limit"] = limit
-        return self.request("GET", res.path(ns), query=query, timeout=timeout)
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:
         return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT, timeout=timeout)
