@@ -27,7 +27,7 @@ def _claim(protocol: Any) -> ClaimedTask:
     spec = models.TaskSpec(queue="q", lease_duration_seconds=5)
     rec = LeaseRecord(name="t", namespace="ns", queue="q", owner_uid="u", holder="p/1", epoch=1, duration_s=5)
     held = Held(namespace="ns", name="t", holder="p/1", epoch=1, spec=spec, uid="u", record=rec)
-    return ClaimedTask(protocol, held, {}, interrupt=False)
+    return ClaimedTask(protocol, held, {}, interrupt=False, follow=False)  # no cluster: nothing to follow
 
 
 def _renewers() -> list[threading.Thread]:

@@ -143,17 +143,13 @@ def test_the_backoff_formula() -> None:
     assert [fixed.delay_after(n) for n in (1, 5)] == [7, 7]
 
 
-def test_priority_order_then_age_decides_which_candidates_are_tried() -> None:
-    import random
-
-    from tasklease.agent.discovery import pick
-
-    def task(name: str, priority: int, created: str) -> TaskView:
-        return replace(_task(priority=priority), name=name, created=created)
-
-    old, new = "2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z"
-    candidates = [(task("low-old", 0, old), None), (task("high-new", 9, new), None),
-                  (task("low-new", 0, new), None), (task("high-old", 9, old), None)]
-    assert {t.name for t, _ in pick(candidates, best_of=2, rng=random.Random(1))} == {"high-new", "high-old"}
-    assert [t.name for t, _ in pick(candidates, best_of=1, rng=random.Random(1))] == ["high-old"]
-    assert [t.name for t, _ in pick(candidates[:1] + candidates[2:3], best_of=1, rng=random.Random(1))] == ["low-old"]
+def test_a_patch_owns_every_label_and_annotation_a_record_writes() -> None:
+    """A merge patch only sets (or removes) what it owns: anything `encode` writes must be owned,
+    or a patch would silently drop it (as it once dropped a retry's budget)."""
+    task = _task()
+    full = replace(claimed(task, None, "pod/1", NOW), outcome="Failed", reason="DeadLettered", result="r",
+                   error="e", not_before=NOW, budget_from=1)
+    meta = record.encode(full)["metadata"]
+    assert set(meta["annotations"]) <= set(record.OWNED_ANNOTATIONS)
+    assert set(meta["labels"]) <= set(record.OWNED_LABELS)
+    assert set(meta["annotations"]) == set(record.OWNED_ANNOTATIONS)  # the record above sets them all

@@ -13,16 +13,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from tasklease.api import models
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.kube.watching import Reflector
+from tasklease.agent.discovery import task_selector
 
 OnCancel = Callable[[str], None]
 Key = tuple[int, str, str]  # (id of the API client, namespace, queue)
 _WATCH_TIMEOUT_S = 60  # a stopped watch's stream ends within this
 _REMEMBER = 1024  # cancelled or deleted uids (both final) kept for a claim registering just after the news
 
-_SYNC_S = 10.0  # how long a claim waits for its queue's watch to list (only the first claim does)
+_SYNC_S = 30.0  # how long a late check waits for its queue's watch to list
 
 _lock = threading.Lock()
 
@@ -34,9 +34,9 @@ class _QueueFollower:
         self.watchers: dict[str, tuple[str, OnCancel]] = {}  # name → (uid, callback)
         self.ended: OrderedDict[str, str] = OrderedDict()  # uid → why, newest last
         # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
-        selector = ",".join([f"spec.queue={key[2]}", *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
-        self.reflector = Reflector(kube, TASKS, namespace=key[1], field_selector=selector, listener=self._seen,
-                                   watch_timeout_s=_WATCH_TIMEOUT_S)
+        # Only identities are kept: the events carry what a cancel needs.
+        self.reflector = Reflector(kube, TASKS, namespace=key[1], field_selector=task_selector(key[2]),
+                                   listener=self._seen, watch_timeout_s=_WATCH_TIMEOUT_S, keep_objects=False)
 
     def _seen(self, kind: str, obj: JSON) -> None:
         meta: dict[str, Any] = obj["metadata"]
@@ -106,7 +106,21 @@ def follow(kube: Kube, *, namespace: str, queue: str, name: str, uid: str, on_ca
         return Following(key, name, uid)
     if fresh:
         follower.reflector.start()
-    # A cancel or deletion between the claim and the watch's first list sends no event.
-    if follower.reflector.synced.wait(_SYNC_S) and name not in follower.reflector.store:
-        follower.verify(name, uid)
+    if follower.reflector.synced.is_set():
+        _verify_if_absent(follower, name, uid)
+    else:  # never block the claim: check once the first list is in
+        threading.Thread(target=_after_sync, args=(follower, name, uid), name=f"follow-{name}", daemon=True).start()
     return Following(key, name, uid)
+
+
+def _after_sync(follower: _QueueFollower, name: str, uid: str) -> None:
+    if follower.reflector.synced.wait(_SYNC_S):
+        _verify_if_absent(follower, name, uid)
+
+
+def _verify_if_absent(follower: _QueueFollower, name: str, uid: str) -> None:
+    """A cancel or deletion between the claim and the watch's first list sends no event."""
+    with _lock:
+        followed = follower.watchers.get(name, ("",))[0] == uid
+    if followed and name not in follower.reflector.store:
+        follower.verify(name, uid)

@@ -119,7 +119,7 @@ class ClaimedTask:
     one write (a renewal or the ending) at a time use the Lease's last resourceVersion."""
 
     def __init__(self, protocol: Protocol, held: Held, payload: dict[str, Any], *, interrupt: bool,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 follow: bool = True, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.protocol = protocol
         self._held = held
         self.payload = payload
@@ -144,8 +144,9 @@ class ClaimedTask:
             method = cancelled()
             if method is not None:
                 method(why)
+        # A claim handed over to another process (`tasklease claim`) is not followed here.
         following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue, name=held.name,
-                                uid=held.uid, on_cancel=on_cancel)
+                                uid=held.uid, on_cancel=on_cancel) if follow else None
         threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, held.duration_s, following),
                          name=f"renew-{held.name}", daemon=True).start()
 
@@ -310,7 +311,7 @@ class ClaimedTask:
 
 
 def _renew_loop(ref: weakref.ReferenceType[ClaimedTask], stop: threading.Event, duration_s: int,
-                following: Following) -> None:
+                following: Following | None) -> None:
     """The renew thread. It keeps only a weak reference between turns, so a claim that is
     dropped without being ended stops being renewed (and followed)."""
     interval = duration_s / RENEWS_PER_DURATION
@@ -322,7 +323,8 @@ def _renew_loop(ref: weakref.ReferenceType[ClaimedTask], stop: threading.Event, 
             wait = None if task is None else task._renew_once(interval, renew_deadline)
             del task  # no strong reference while waiting
     finally:
-        following.close()
+        if following is not None:
+            following.close()
 
 
 class _Interrupts:
@@ -488,7 +490,7 @@ class Agent:
                         if rec is None:
                             break
                         continue
-                    return self._claimed(task, held, interrupt=interrupt)
+                    return self._claimed(task, held, interrupt=interrupt, follow=False)
         raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
 
     def work(self, queue: str, handler: Callable[[ClaimedTask], Any], *, stop: threading.Event | None = None,
@@ -550,6 +552,6 @@ class Agent:
             return self._claimed(task, held, interrupt=interrupt), lost
         return None, lost
 
-    def _claimed(self, task: TaskView, held: Held, *, interrupt: bool) -> ClaimedTask:
+    def _claimed(self, task: TaskView, held: Held, *, interrupt: bool, follow: bool = True) -> ClaimedTask:
         log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)
-        return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt)
+        return ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt, follow=follow)

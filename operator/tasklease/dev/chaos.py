@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ class Proc:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as resp:
                 return str(resp.read().decode())
+        except urllib.error.HTTPError as exc:  # 503: not ready, and the body says in which role
+            return str(exc.read().decode())
         except OSError:
             return ""
 
@@ -219,14 +222,18 @@ class Chaos:
             time.sleep(LEASE_S + 3)  # past its lease: the operator expires what it held
             victim.signal(signal.SIGCONT)
         elif kind == "leader-kill":
-            leader = next((op for op in self.operators if op.readyz().startswith("ready leader")), None)
+            found = time.monotonic()
+            leader = None
+            while leader is None and time.monotonic() - found < 60:  # an election may be under way
+                leader = next((op for op in self.operators if _leads(op.readyz())), None)
+                time.sleep(0.2)
             if leader is None:
                 return
             killed = time.monotonic()
             leader.kill()
             others = [op for op in self.operators if op is not leader]
             while time.monotonic() - killed < 60:
-                if any(op.readyz().startswith("ready leader") for op in others):
+                if any(_leads(op.readyz()) for op in others):
                     self.figures.takeover_s.append(time.monotonic() - killed)
                     break
                 time.sleep(0.2)
@@ -408,3 +415,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _leads(readyz: str) -> bool:
+    """`/readyz` names the role whether or not the operator is ready yet: "ready leader",
+    "starting leader" (its backlog not yet reconciled), "not ready (leader): why"."""
+    return "leader" in readyz.split(":", 1)[0]

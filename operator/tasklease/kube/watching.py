@@ -26,7 +26,7 @@ Listener = Callable[[str, JSON], None]
 class Reflector:
     """Keeps `store` (name → object) equal to the selected objects; calls `listener(type, obj)`.
 
-    `keep_objects=False`: the store keeps only each object's metadata (name, resourceVersion),
+    `keep_objects=False`: the store keeps only each object's identity (name, uid, resourceVersion),
     for a listener that keeps its own, smaller picture; a deletion found by a relist is then
     delivered with that metadata only."""
 
@@ -129,7 +129,7 @@ class Reflector:
         meta = obj["metadata"]
         self.store[name] = obj if self.keep_objects else {
             "metadata": {"name": name, "namespace": meta.get("namespace", self.namespace),
-                         "resourceVersion": meta.get("resourceVersion", "")}}
+                         "uid": meta.get("uid", ""), "resourceVersion": meta.get("resourceVersion", "")}}
 
     def _deliver(self, kind: str, obj: JSON) -> None:
         """One bad object (say, a hand-edited annotation) must not stop the stream."""

@@ -87,6 +87,7 @@ def run_operator(args: argparse.Namespace) -> int:
     try:
         while _run_kopf(reconciler, kube, args, ready, identity, health):
             ready.clear()
+            health.watches.reset()  # what the old watches could not do says nothing of the new ones
     finally:
         stop.set()
         if elector is not None:

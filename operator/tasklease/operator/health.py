@@ -53,6 +53,11 @@ class WatchHealth:
         with self._lock:
             self._unwatched = message
 
+    def reset(self) -> None:
+        """The watches were restarted: nothing is known about them yet."""
+        with self._lock:
+            self._failed_at, self._failure, self._unwatched = None, "", ""
+
     def problem(self) -> str | None:
         """Why the watches are not healthy now; None when they are."""
         with self._lock:

@@ -195,6 +195,7 @@ class Reconciler:
         """Count the backlog: every Task that exists now, page by page, queued for a look."""
         backlog: set[Key] = set()
         scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
+        backoff = Backoff(base_s=1.0, cap_s=_RETRY_CAP_S)
         while self.active.is_set():
             try:
                 for ns in scopes:
@@ -207,9 +208,14 @@ class Reconciler:
                                 self._enqueue(key)
                 break
             except errors.TaskleaseError as exc:
-                log.warning("listing Tasks to count the backlog failed (%s); retrying", exc)
                 backlog.clear()
-                time.sleep(1.0)
+                if not transient(exc):
+                    # No rights to list, say: health reports it; the backlog stays uncounted.
+                    log.error("cannot list Tasks to count the backlog: %s", exc)
+                    return
+                delay = backoff.next()
+                log.warning("listing Tasks to count the backlog failed (%s); retrying in %.1fs", exc, delay)
+                time.sleep(delay)
         with self._cond:
             self._backlog = {k for k in backlog if k in self._pending or k in self._inflight}
             self._check_caught_up()

@@ -31,7 +31,8 @@ ANN_BUDGET_FROM: Final = "tasklease.dev/budget-from"
 MANAGED_SELECTOR: Final = f"{LABEL_MANAGED}=tasklease"
 # What our writes own; any other label or annotation on a Lease is left as it is.
 OWNED_LABELS: Final = (LABEL_MANAGED, LABEL_QUEUE, LABEL_STATE, LABEL_HOLDER_POD)
-OWNED_ANNOTATIONS: Final = (ANN_OUTCOME, ANN_REASON, ANN_RESULT, ANN_ERROR, ANN_NOT_BEFORE, ANN_HISTORY)
+OWNED_ANNOTATIONS: Final = (ANN_OUTCOME, ANN_REASON, ANN_RESULT, ANN_ERROR, ANN_NOT_BEFORE, ANN_HISTORY,
+                             ANN_BUDGET_FROM)
 
 FREE, HELD, CLOSED = "free", "held", "closed"
 _DEFAULT_DURATION_S: Final = int(models.TaskSpec.model_fields["lease_duration_seconds"].default)

@@ -216,7 +216,7 @@ class Protocol:
 
     def _as_holder(self, held: Held, change: Callable[[LeaseRecord], LeaseRecord], *,
                    timeout: float = 30) -> Held:
-        """Apply `change` to the Lease as we last wrote it: one PUT. A 409 is re-read: an
+        """Apply `change` to the Lease as we last wrote it: one conditional PATCH. A 409 is re-read: an
         unrelated write (a label added by hand) leaves ownership intact and is retried; our
         own earlier write whose answer was lost (a retried completion) counts as done;
         anything else is a lost lease."""
