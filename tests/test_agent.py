@@ -17,7 +17,7 @@ from tasklease.agent.discovery import task_selector
 from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.protocol import Protocol, TaskView, record
+from tasklease.protocol import Held, Protocol, TaskView, record
 from tasklease.protocol.rules import Blocker, blocker
 
 FAST = {"leaseDurationSeconds": 5, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}
@@ -177,3 +177,29 @@ def test_the_queue_selector_drops_exactly_the_finished_tasks(kube: Kube) -> None
     listed = {t["metadata"]["name"] for t in kube.list(TASKS, field_selector=task_selector("sel"))["items"]}
     assert {name: name in listed for name in expected} == expected
     assert not all(expected.values()) and any(expected.values())
+
+
+def test_an_ending_whose_answer_is_lost_is_retried_and_counts_once(kube: Kube) -> None:
+    """The completion reaches the API server but its answer is lost (a network error): the SDK
+    retries, finds its own outcome already applied, and succeeds, with one result recorded."""
+    make_task(kube, "blip", queue="blip")
+    agent = Agent(kube)
+    try:
+        task = agent.claim("blip", timeout=30)
+        real = task.protocol.complete
+        calls: list[str] = []
+
+        def answer_lost_once(held: Held, result: str) -> Held:
+            calls.append(result)
+            written = real(held, result)
+            if len(calls) == 1:
+                raise errors.Unreachable("cannot reach the Kubernetes API server: connection reset")
+            return written
+        task.protocol.complete = answer_lost_once  # type: ignore[method-assign]
+        with task:
+            task.complete("done")
+        assert calls == ["done", "done"]
+        rec = record.decode(kube.get(LEASES, "blip"))
+        assert (rec.outcome, rec.result, [a.outcome for a in rec.history]) == ("Succeeded", "done", ["Succeeded"])
+    finally:
+        agent.close()
