@@ -231,7 +231,8 @@ def test_the_operator_recovers_from_a_recreated_crd(
     wait_for(lambda: _create_or_none(kube, "after-crd"), timeout=60, message="the new CRD serving")
     wait_for(lambda: _status(kube, "after-crd").get("phase") == "Pending", timeout=90,
              message=f"status written after the CRD came back; log:\n{operator.output()[-2000:]}")
-    assert operator.get("/readyz")[0] == 200
+    # Ready again once kopf's new watches run and its failed requests are 30 s behind it.
+    wait_for(lambda: operator.get("/readyz")[0] == 200, timeout=90, message="ready again")
 
 
 def _create_or_none(kube: Kube, name: str) -> bool:
