@@ -1,8 +1,9 @@
 """`tasklease run`: flock for a cluster. Claim a task, run a command for it, report the outcome.
 
 The command gets TASKLEASE_TASK, TASKLEASE_NAMESPACE, TASKLEASE_EPOCH, TASKLEASE_HOLDER and
-the payload as JSON three ways: on stdin, in the file named by TASKLEASE_PAYLOAD_FILE, and
-in TASKLEASE_PAYLOAD when it is small enough for the environment (up to 64 KiB). While it
+the payload as JSON three ways: on stdin, in the file named by TASKLEASE_PAYLOAD_FILE (when a
+temporary directory is writable), and in TASKLEASE_PAYLOAD when it is small enough for the
+environment (up to 64 KiB). While it
 runs the lease is renewed; the moment ownership is lost the command gets SIGTERM, then
 SIGKILL after a grace period. Exit 0 completes the task with the tail of its stdout as the
 result; any other exit fails the attempt (retried with backoff until maxAttempts).
@@ -14,6 +15,7 @@ permanent errors (no rights, no CRD) end it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import TextIO
 
@@ -101,12 +103,12 @@ class Runner:
 
     def _run_one(self, task: ClaimedTask) -> int:
         payload = json.dumps(task.payload, separators=(",", ":"))
-        with tempfile.NamedTemporaryFile("w", prefix=f"tasklease-{task.name}-", suffix=".json") as payload_file:
-            payload_file.write(payload)
-            payload_file.flush()
+        with _payload_file(payload, task.name) as path:
             env = {**os.environ, "TASKLEASE_TASK": task.name, "TASKLEASE_NAMESPACE": task.namespace,
-                   "TASKLEASE_EPOCH": str(task.epoch), "TASKLEASE_HOLDER": task.holder,
-                   "TASKLEASE_PAYLOAD_FILE": payload_file.name}
+                   "TASKLEASE_EPOCH": str(task.epoch), "TASKLEASE_HOLDER": task.holder}
+            env.pop("TASKLEASE_PAYLOAD_FILE", None)
+            if path is not None:
+                env["TASKLEASE_PAYLOAD_FILE"] = path
             if len(payload) <= MAX_ENV_PAYLOAD:
                 env["TASKLEASE_PAYLOAD"] = payload
             else:
@@ -192,6 +194,22 @@ class Runner:
                 self._terminate(child)
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+
+
+@contextlib.contextmanager
+def _payload_file(payload: str, name: str) -> Iterator[str | None]:
+    """The payload in a temporary file, for commands that want a path; None where no temporary
+    directory is writable (a read-only root without an emptyDir at /tmp): stdin still has it."""
+    try:
+        handle = tempfile.NamedTemporaryFile("w", prefix=f"tasklease-{name}-", suffix=".json")
+    except OSError as exc:
+        log.warning("no payload file (%s): the payload is on stdin only", exc)
+        yield None
+        return
+    with handle:
+        handle.write(payload)
+        handle.flush()
+        yield handle.name
 
 
 def failure_message(head: str, stderr_tail: str, limit: int = models.MAX_ERROR_CHARS) -> str:
