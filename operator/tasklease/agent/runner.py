@@ -53,7 +53,7 @@ class Runner:
         """One task (or, with `loop`, one after another until stopped or idle for `wait_s`)."""
         self._install_signal_handlers()
         backoff = Backoff(base_s=0.5, cap_s=30.0)
-        while not self._started(loop, backoff):
+        while not self._started(loop):
             if self.stopping.wait(backoff.next()):
                 return errors.RUN_STOPPED
         backoff.reset()
@@ -89,7 +89,7 @@ class Runner:
                 return code
         return errors.RUN_STOPPED
 
-    def _started(self, loop: bool, backoff: Backoff) -> bool:
+    def _started(self, loop: bool) -> bool:
         """The agent's start (releasing an older instance's leases); in --loop an unreachable
         API server is waited out rather than fatal."""
         try:
@@ -163,6 +163,7 @@ class Runner:
             # the command is over, and so is its process group.
             _signal_group(child, signal.SIGTERM)
             reader.join(_DRAIN_S)
+            err_reader.join(_DRAIN_S)
         with self._child_lock:
             self._child = None
         return code, tail, err_tail
