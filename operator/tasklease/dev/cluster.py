@@ -142,11 +142,7 @@ class LocalCluster:
 
     def owns(self, pid: int) -> bool:
         """True when `pid` is a process this workdir's cluster started (and still runs)."""
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return False
-        return process_alive(pid) and any(str(self.workdir).encode() in arg for arg in cmdline)
+        return started_in(pid, self.workdir)
 
     def restart(self, component: str, *, sig: int = signal.SIGKILL) -> ClusterState:
         """Kill one component (SIGKILL by default, as a crash would) and start it again with
@@ -405,6 +401,16 @@ def process_alive(pid: int) -> bool:
         return stat.rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def started_in(pid: int, workdir: Path) -> bool:
+    """True when `pid` runs and its command line names `workdir`: a pid read from a state file
+    may have been reused by an unrelated process since, which must never be signalled."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return process_alive(pid) and any(str(workdir).encode() in arg for arg in cmdline)
 
 
 def terminate(pid: int, grace_s: float = 10.0) -> None:

@@ -35,6 +35,7 @@ from tasklease.dev.cluster import (
     free_port,
     process_alive,
     signed_cert,
+    started_in,
     terminate,
 )
 
@@ -164,9 +165,9 @@ class LocalNode:
             name = json.loads(state_file.read_text()).get("name")
             self._forget_node(name)
         for proc in ("kube-scheduler", "kubelet"):
-            if pids.get(proc):
+            if pids.get(proc) and started_in(pids[proc], self.workdir):
                 terminate(pids[proc])
-        if pids.get("containerd") and process_alive(pids["containerd"]):
+        if pids.get("containerd") and started_in(pids["containerd"], self.workdir):
             self._remove_containers()
             terminate(pids["containerd"])
         for group in NODE_GROUPS:
