@@ -168,7 +168,6 @@ class TaskStatus(_Model):
     holder: str = Field(default="", max_length=512, description="The agent holding the lease: <pod>/<instance>.")
     attempt: int = Field(default=0, ge=0, description="The current attempt: the fencing epoch of its claim.")
     claimed_at: datetime | None = None
-    renewed_at: datetime | None = None
     completed_at: datetime | None = None
     not_before: datetime | None = Field(default=None, description="No attempt starts before this time (backoff).")
     result: str = Field(default="", max_length=MAX_RESULT_BYTES, description="What the last holder reported.")
