@@ -66,6 +66,9 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     handover = copy.deepcopy(held)
     handover["spec"]["holderIdentity"] = "alice/2"
     _refused(lambda: _patch(alice_kube, handover), "cannot hand its lease")
+    more_attempts = copy.deepcopy(held)
+    more_attempts["metadata"].setdefault("annotations", {})[record.ANN_BUDGET_FROM] = "7"
+    _refused(lambda: _patch(alice_kube, more_attempts), "cannot change tasklease.dev/budget-from")
     _refused(lambda: alice_kube.delete(LEASES, "guarded"), "forbidden")  # RBAC: agents never delete
 
     task.complete("done")  # the holder's fair completion passes
