@@ -6,7 +6,8 @@ Every figure is a ratio within one run on one control plane (the machine may be 
 - peers: the official Python `LeaderElection` + `LeaseLock`, and client-go's
   `leaderelection` (built from the Go module proxy, QPS raised), acquiring a free Lease;
 - tasklease: SDK agents (separate processes, as agents are separate pods) at 1/4/8/16
-  agents over 500 tasks; the drain rate with 30,000 tasks open (100,000 with `--full`);
+  agents over 500 tasks; the drain rate with 30,000 tasks open; with `--full`, 100,000 tasks
+  created and all drained by 16 agents with the operator on, beside 500 drained the same way;
   the one-shot claim with 10,000 open; the operator's writes per task and projection lag
   at 100 tasks/s, its memory and backlog at 10,000 tasks; idle agents' wake-ups per
   renewal of leases they do not hold; time to requeue after SIGKILL; how long a cancel
@@ -65,6 +66,7 @@ TARGETS: list[tuple[str, str, str, Callable[[float], bool]]] = [
     ("operator RSS at 10k tasks (MB)", "operator_rss_mb_10k", "≤ 100", lambda v: v <= 100),
     ("operator RSS at 100k tasks (MB)", "operator_rss_mb_100k", "≤ 500", lambda v: v <= 500),
     ("agent RSS watching 100k (MB)", "agent_rss_mb_100k", "≤ 200", lambda v: v <= 200),
+    ("drain of 100k ÷ of 500, operator on (--full)", "drain_100k_vs_500", "≥ 0.8", lambda v: v >= 0.8),
     ("`tasklease claim` p50 ÷ GET+PUT, 10k open", "cli_claim_vs_floor_10k", "≤ 3", lambda v: v <= 3),
     ("claim p50 ÷ one conditional PUT (warm)", "claim_vs_put", "≤ 1.1", lambda v: v <= 1.1),
     ("claim p50 ÷ client-go acquire", "claim_vs_client_go", "-", lambda v: True),
@@ -81,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=500, help="tasks per throughput case")
     parser.add_argument("--depth", type=int, default=30000, help="open tasks for the drain case")
     parser.add_argument("--cli-depth", type=int, default=10000, help="open tasks for the one-shot claim case")
-    parser.add_argument("--full", action="store_true", help="also drain 100,000 tasks with 16 agents and the "
-                        "operator on (adds about an hour on 2 cores)")
+    parser.add_argument("--full", nargs="?", type=int, const=100000, default=0, metavar="N",
+                        help="also create N tasks (default 100,000) and drain them all with the operator on and "
+                        "the most agents of --agents (adds about 40 minutes on 2 cores)")
     parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
     parser.add_argument("--worker", choices=["raw", "sdk", "idle"], help=argparse.SUPPRESS)
     parser.add_argument("--kubeconfig", help=argparse.SUPPRESS)
@@ -154,19 +157,21 @@ def main(argv: list[str] | None = None) -> int:
                                        suffix=_k(args.cli_depth))))
     drain_n = 8 if 8 in counts else counts[-1]
     base_rate = res["cases"][drain_n]["sdk"]["rate"]
-    depths = [args.depth] + ([100000] if args.full else [])
-    for depth in depths:
-        note(f"drain with {depth} open tasks, {drain_n} agents (creating them first)")
-        deep = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=drain_n, depth=depth,
-                                       drain=args.tasks))
-        res[f"drain_{_k(depth)}_vs_500"] = deep["rate"] / base_rate
-        res[f"agent_rss_mb_{_k(depth)}"] = deep["rss_mb"]
-        res[f"agent_sync_s_{_k(depth)}"] = deep["sync_s"]
-        res["cases"][f"depth-{depth}"] = deep
+    note(f"drain with {args.depth} open tasks, {drain_n} agents (creating them first)")
+    deep = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=drain_n, depth=args.depth,
+                                   drain=args.tasks))
+    res[f"drain_{_k(args.depth)}_vs_500"] = deep["rate"] / base_rate
+    res[f"agent_rss_mb_{_k(args.depth)}"] = deep["rss_mb"]
+    res[f"agent_sync_s_{_k(args.depth)}"] = deep["sync_s"]
+    res["cases"][f"depth-{args.depth}"] = deep
     if args.full:
-        note("100,000 tasks with the operator on: its memory and backlog")
-        res.update(space(functools.partial(_cli_and_operator_at_depth, kubeconfig=kubeconfig, depth=100000,
-                                           suffix="100k", claims=0)))
+        note(f"{args.full} tasks drained by {counts[-1]} agents with the operator on (creating them first)")
+        cases = {depth: space(functools.partial(_full_drain, kubeconfig=kubeconfig, depth=depth, agents=counts[-1]))
+                 for depth in (args.tasks, args.full)}
+        big, suffix = cases[args.full], _k(args.full)
+        res[f"drain_{suffix}_vs_{_k(args.tasks)}"] = big["rate"] / cases[args.tasks]["rate"]
+        res[f"agent_rss_mb_{suffix}"], res[f"operator_rss_mb_{suffix}"] = big["rss_mb"], big["operator_rss_mb"]
+        res["cases"][f"full-{args.full}"], res["cases"][f"full-{args.tasks}"] = big, cases[args.tasks]
     res["runtime_s"] = time.monotonic() - began
     for _, key, _, _ in TARGETS:
         res.setdefault(key, None)  # every listed key, null when its case did not run
@@ -462,6 +467,31 @@ def _cli_and_operator_at_depth(kube: Kube, *, kubeconfig: Path, depth: int, suff
         out[f"cli_claim_p50_s_{suffix}"] = statistics.median(latencies)
         out[f"cli_claim_vs_floor_{suffix}"] = statistics.median(latencies) / _floors(kube, rounds=50)["get_put_p50_s"]
     return out
+
+
+def _full_drain(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Results:
+    """The whole product at scale: `depth` Tasks created, the operator through its backlog,
+    then `agents` agents drain every one of them while the operator projects."""
+    operator, port = _operator(kube, kubeconfig)
+    try:
+        _until(lambda: _get_ok(port), 120, "the operator to be ready")
+        began = time.monotonic()
+        _create_tasks(kube, depth, queue="bench")
+        created_s = time.monotonic() - began
+        _until(lambda: _metric(port, "tasklease_tasks", 'phase="Pending"') >= depth, 3600,
+               f"the operator to project the {depth} new tasks", interval=1.0)
+        rss = _rss_mb(operator.pid)
+        drained = _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=depth)
+        _until(lambda: _metric(port, "tasklease_tasks", 'phase="Succeeded"') >= depth, 3600,
+               "every task projected Succeeded", interval=1.0)
+        rss = max(rss, _rss_mb(operator.pid))
+        unfinished = sum(1 for page in kube.list_pages(TASKS, namespace=kube.namespace, limit=500)
+                         for task in page.get("items", []) if (task.get("status") or {}).get("phase") != "Succeeded")
+    finally:
+        _stop(operator)
+    if unfinished:
+        raise RuntimeError(f"bench: {unfinished} of {depth} tasks not Succeeded after the drain")
+    return {**drained, "created_per_s": depth / created_s, "operator_rss_mb": rss}
 
 
 def _operator(kube: Kube, kubeconfig: Path) -> tuple[subprocess.Popen[bytes], int]:
