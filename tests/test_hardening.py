@@ -244,6 +244,30 @@ def test_the_operator_recovers_from_a_recreated_crd(
     wait_for(lambda: operator.get("/readyz")[0] == 200, timeout=90, message="ready again")
 
 
+def test_kopf_is_restarted_for_a_recreated_crd_only_once_the_new_one_is_served(kube: Kube) -> None:
+    """kopf looks up what it watches when it starts: a restart on the new CRD's first event,
+    before it is Established, left the operator without a watch of Tasks for good."""
+    health = Health(kube, Reconciler(kube, grace_s=1.0), namespaces=[kube.namespace], threads=[],
+                    elector_alive=None, watches=WatchHealth())
+    restarts: list[str] = []
+    health.on_crd_recreated = lambda: restarts.append(health.problem)
+    served = {"conditions": [{"type": "NamesAccepted", "status": "True"}, {"type": "Established", "status": "True"}]}
+
+    def crd(uid: str, status: dict[str, Any] | None) -> dict[str, Any]:
+        return {"metadata": {"name": "tasks.tasklease.dev", "uid": uid}, **({"status": status} if status else {})}
+
+    health.on_crd("ADDED", crd("old", served))
+    health.on_crd("DELETED", crd("old", served))
+    assert "was deleted" in health.problem
+    health.on_crd("ADDED", crd("new", None))  # just created: nothing is served yet
+    health.on_crd("MODIFIED", crd("new", {"conditions": [{"type": "NamesAccepted", "status": "True"}]}))
+    assert restarts == [] and "was deleted" in health.problem
+    health.on_crd("MODIFIED", crd("new", served))
+    assert restarts == [""]  # once, and ready again
+    health.on_crd("MODIFIED", crd("new", served))
+    assert restarts == [""]
+
+
 def _create_or_none(kube: Kube, name: str) -> bool:
     try:
         make_task(kube, name)

@@ -103,7 +103,7 @@ def test_a_watch_resumed_from_a_compacted_version_lists_again_and_reports_what_c
         compact_etcd(cluster.etcd_port)
         resume.set()
         # Two from the first list, three from the second (the deletion last).
-        wait_for(lambda: len(seen) >= 5, message=f"the reflector to list again; so far {seen}")
+        wait_for(lambda: len(seen) >= 5, message="the reflector to list again")
     finally:
         resume.set()
         reflector.stop()
