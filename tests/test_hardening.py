@@ -4,6 +4,7 @@ against a real API server. Agents run as the chart's agent ServiceAccount, bound
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 from conftest import (ROOT, Cluster, Operator, Process, agent_pod_kubeconfig, make_task, service_account_kubeconfig,
                       tasklease_cmd, wait_for)
 from tasklease.agent import Agent, Identity
+from tasklease.agent.cancel import _QueueFollower
 from tasklease.agent.runner import Runner
 from tasklease.agent.sdk import instance_gone
 from tasklease.api import errors, models
@@ -279,11 +281,17 @@ def _create_or_none(kube: Kube, name: str) -> bool:
 # -- 8. an agent started during an outage -------------------------------------------------------
 
 
-def test_run_loop_started_during_an_outage_keeps_retrying(cluster: Cluster, tmp_path: Path) -> None:
+def _unreachable(cluster: Cluster, tmp_path: Path) -> Path:
+    """A kubeconfig whose API server is away (a free port): an outage."""
     config = cluster.kubeconfig.read_text().replace(
         cluster.kubeconfig.read_text().split("server: ")[1].split()[0], f"https://127.0.0.1:{free_port()}")
     dead = tmp_path / "dead.kubeconfig"
     dead.write_text(config)
+    return dead
+
+
+def test_run_loop_started_during_an_outage_keeps_retrying(cluster: Cluster, tmp_path: Path) -> None:
+    dead = _unreachable(cluster, tmp_path)
     once = subprocess.run(tasklease_cmd("run", f"--kubeconfig={dead}", "--queue", "q", "--", "true"),
                           capture_output=True, text=True, timeout=60)
     assert once.returncode == errors.Unreachable.exit_code, once.stderr
@@ -419,6 +427,20 @@ def test_liveness_fails_when_the_reconciler_or_the_election_thread_dies(kube: Ku
         stop.set()
         elector.stop()
         server.shutdown()
+
+
+def test_a_task_leaving_the_cancel_watch_during_an_outage_is_a_warning_not_a_traceback(
+        cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the short chaos run: the API server was killed just as a task left the holder's
+    watch, and the check of why (a GET) raised into the watch thread, which logged a traceback."""
+    away = Kube.connect(kubeconfig=str(_unreachable(cluster, tmp_path)))
+    follower = _QueueFollower(away, (id(away), "ns", "q"))
+    told: list[str] = []
+    follower.watchers["t"] = ("uid-1", told.append)
+    with caplog.at_level(logging.WARNING, logger="tasklease.agent.cancel"):
+        follower._seen("DELETED", {"metadata": {"name": "t", "namespace": "ns", "uid": "uid-1"}})
+    assert told == []  # not known to be deleted: the next renewal decides
+    assert "its holder, if any, learns it at its next renewal" in caplog.text
 
 
 # -- documented but untested behaviours --------------------------------------------------------
