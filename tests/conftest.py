@@ -37,6 +37,7 @@ class Cluster:
     kubeconfig: Path
     audit_log: Path | None  # None on an external cluster
     version: str | None  # the pinned version when we started it
+    etcd_port: int | None = None  # None on an external cluster
 
     def kube(self, namespace: str = "default") -> Kube:
         return Kube.connect(kubeconfig=str(self.kubeconfig), namespace=namespace, pool_size=64)
@@ -61,9 +62,10 @@ def cluster() -> Iterator[Cluster]:
     state = local.up()
     try:
         apply_crds(kubeconfig=Path(state.kubeconfig), folder=ROOT / "crds")
-        started = Cluster(kubeconfig=Path(state.kubeconfig), audit_log=Path(state.audit_log), version=state.version)
+        started = Cluster(kubeconfig=Path(state.kubeconfig), audit_log=Path(state.audit_log), version=state.version,
+                          etcd_port=state.etcd_port)
         wait_for(lambda: _serving_tasks(started.kube()), timeout=60, message="the Task CRD served (no 429)")
-        yield Cluster(kubeconfig=Path(state.kubeconfig), audit_log=Path(state.audit_log), version=state.version)
+        yield started
     finally:
         local.down()
 

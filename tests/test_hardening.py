@@ -4,22 +4,33 @@ against a real API server. Agents run as the chart's agent ServiceAccount, bound
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import (ROOT, Cluster, Operator, Process, agent_pod_kubeconfig, make_task, service_account_kubeconfig,
                       tasklease_cmd, wait_for)
 from tasklease.agent import Agent, Identity
+from tasklease.agent.cancel import _QueueFollower
+from tasklease.agent.runner import Runner
 from tasklease.agent.sdk import instance_gone
 from tasklease.api import errors, models
 from tasklease.dev.cluster import free_port
 from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.operator.controller import _serve_http
+from tasklease.operator.health import Health, WatchHealth
+from tasklease.operator.leader import ElectionConfig, LeaderElector
+from tasklease.operator.reconciler import Reconciler
 from tasklease.protocol import Protocol, TaskView, record
 
 FAST = {"leaseDurationSeconds": 5, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}
@@ -235,6 +246,30 @@ def test_the_operator_recovers_from_a_recreated_crd(
     wait_for(lambda: operator.get("/readyz")[0] == 200, timeout=90, message="ready again")
 
 
+def test_kopf_is_restarted_for_a_recreated_crd_only_once_the_new_one_is_served(kube: Kube) -> None:
+    """kopf looks up what it watches when it starts: a restart on the new CRD's first event,
+    before it is Established, left the operator without a watch of Tasks for good."""
+    health = Health(kube, Reconciler(kube, grace_s=1.0), namespaces=[kube.namespace], threads=[],
+                    elector_alive=None, watches=WatchHealth())
+    restarts: list[str] = []
+    health.on_crd_recreated = lambda: restarts.append(health.problem)
+    served = {"conditions": [{"type": "NamesAccepted", "status": "True"}, {"type": "Established", "status": "True"}]}
+
+    def crd(uid: str, status: dict[str, Any] | None) -> dict[str, Any]:
+        return {"metadata": {"name": "tasks.tasklease.dev", "uid": uid}, **({"status": status} if status else {})}
+
+    health.on_crd("ADDED", crd("old", served))
+    health.on_crd("DELETED", crd("old", served))
+    assert "was deleted" in health.problem
+    health.on_crd("ADDED", crd("new", None))  # just created: nothing is served yet
+    health.on_crd("MODIFIED", crd("new", {"conditions": [{"type": "NamesAccepted", "status": "True"}]}))
+    assert restarts == [] and "was deleted" in health.problem
+    health.on_crd("MODIFIED", crd("new", served))
+    assert restarts == [""]  # once, and ready again
+    health.on_crd("MODIFIED", crd("new", served))
+    assert restarts == [""]
+
+
 def _create_or_none(kube: Kube, name: str) -> bool:
     try:
         make_task(kube, name)
@@ -246,11 +281,17 @@ def _create_or_none(kube: Kube, name: str) -> bool:
 # -- 8. an agent started during an outage -------------------------------------------------------
 
 
-def test_run_loop_started_during_an_outage_keeps_retrying(cluster: Cluster, tmp_path: Path) -> None:
+def _unreachable(cluster: Cluster, tmp_path: Path) -> Path:
+    """A kubeconfig whose API server is away (a free port): an outage."""
     config = cluster.kubeconfig.read_text().replace(
         cluster.kubeconfig.read_text().split("server: ")[1].split()[0], f"https://127.0.0.1:{free_port()}")
     dead = tmp_path / "dead.kubeconfig"
     dead.write_text(config)
+    return dead
+
+
+def test_run_loop_started_during_an_outage_keeps_retrying(cluster: Cluster, tmp_path: Path) -> None:
+    dead = _unreachable(cluster, tmp_path)
     once = subprocess.run(tasklease_cmd("run", f"--kubeconfig={dead}", "--queue", "q", "--", "true"),
                           capture_output=True, text=True, timeout=60)
     assert once.returncode == errors.Unreachable.exit_code, once.stderr
@@ -283,6 +324,123 @@ def test_sigterm_stops_the_operator_cleanly(operator_factory) -> None:  # type: 
     assert op.stop() == 0
     assert "Traceback" not in op.output()
     assert "operator" in op.output().splitlines()[-1] and "stopped" in op.output().splitlines()[-1]
+
+
+# -- found by reading ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lost", ["before the check", "while spawning"])
+def test_a_loss_before_the_command_runs_never_leaves_it_running(kube: Kube, monkeypatch: pytest.MonkeyPatch,
+                                                                  lost: str) -> None:
+    """`tasklease run` checks ownership, registers the kill on loss, then spawns: a loss before
+    the check starts nothing, and one inside the spawn (the kill found no child yet) still
+    stops the command."""
+    make_task(kube, "racy", queue="race", **FAST)
+    agent = Agent(kube, identity=Identity(pod="spawner", instance="1"))
+    task = agent.claim("race", timeout=30, interrupt=False)
+    runner = Runner(agent, queue="race", argv=["sleep", "600"], grace_s=2)
+
+    def lose() -> None:
+        """A real loss: the Task is deleted, and the agent hears of it through its watch. Returns
+        once every kill-on-loss callback (the runner's registered first) has run."""
+        stopped = threading.Event()
+        task.on_lost.append(lambda _task: stopped.set())
+        kube.delete(TASKS, "racy")
+        assert stopped.wait(30), "the agent never noticed the deleted Task"
+
+    spawned: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def spawn(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        if lost == "while spawning":
+            lose()  # ownership was checked and the kill registered; the command is not started yet
+        spawned.append(real_popen(*args, **kwargs))
+        return spawned[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", spawn)
+    if lost == "before the check":
+        lose()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner._run_one(task)
+        except BaseException as exc:  # noqa: BLE001 - the assertion below says what it was
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        thread.join(60)
+        assert not thread.is_alive(), "the command kept running after the loss"
+    finally:
+        for child in spawned:
+            if child.poll() is None:
+                child.kill()
+        thread.join(10)
+        agent.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.LostLease), outcome
+    if lost == "before the check":
+        assert spawned == []  # never started
+    else:
+        assert [child.returncode for child in spawned] == [-signal.SIGTERM]  # started, then stopped
+
+
+def test_liveness_fails_when_the_reconciler_or_the_election_thread_dies(kube: Kube) -> None:
+    reconciler = Reconciler(kube, grace_s=1.0, namespaces=[kube.namespace])
+    stop = threading.Event()
+    workers = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler", daemon=True)
+    broken = threading.Event()
+
+    def clock() -> float:
+        if broken.is_set():
+            raise RuntimeError("a bug in the election loop")
+        return time.monotonic()
+
+    config = ElectionConfig(namespace=kube.namespace, lease_duration_s=3, renew_deadline_s=2, retry_period_s=0.2)
+    elector = LeaderElector(kube, config, identity="live", on_started=lambda: None, on_stopped=lambda: None,
+                            monotonic=clock)
+    health = Health(kube, reconciler, namespaces=[kube.namespace], threads=[workers], elector_alive=elector.alive,
+                    watches=WatchHealth())
+    workers.start()
+    elector.start()
+    server = _serve_http("127.0.0.1", 0, threading.Event(), health)
+
+    def healthz() -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/healthz", timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    try:
+        assert elector.leading.wait(30)
+        assert health.dead() == "" and healthz() == (200, "ok\n")
+        broken.set()  # the election thread dies of an unexpected error
+        wait_for(lambda: not elector.alive(), message="the election thread to die")
+        assert health.dead() == "thread(s) died: leader-election"
+        stop.set()  # the reconciler's workers end, and with them its thread
+        workers.join(30)
+        assert health.dead() == "thread(s) died: reconciler, leader-election"
+        assert healthz() == (503, "thread(s) died: reconciler, leader-election\n")
+    finally:
+        stop.set()
+        elector.stop()
+        server.shutdown()
+
+
+def test_a_task_leaving_the_cancel_watch_during_an_outage_is_a_warning_not_a_traceback(
+        cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the short chaos run: the API server was killed just as a task left the holder's
+    watch, and the check of why (a GET) raised into the watch thread, which logged a traceback."""
+    away = Kube.connect(kubeconfig=str(_unreachable(cluster, tmp_path)))
+    follower = _QueueFollower(away, (id(away), "ns", "q"))
+    told: list[str] = []
+    follower.watchers["t"] = ("uid-1", told.append)
+    with caplog.at_level(logging.WARNING, logger="tasklease.agent.cancel"):
+        follower._seen("DELETED", {"metadata": {"name": "t", "namespace": "ns", "uid": "uid-1"}})
+    assert told == []  # not known to be deleted: the next renewal decides
+    assert "its holder, if any, learns it at its next renewal" in caplog.text
 
 
 # -- documented but untested behaviours --------------------------------------------------------

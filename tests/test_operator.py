@@ -28,6 +28,14 @@ def _hold(config: Path, queue: str, log: Path, pod: str) -> tuple[Process, dict[
     return proc, claimed
 
 
+def _agent_pod(kube: Kube, name: str) -> dict[str, Any]:
+    """An agent's Pod object (it never runs: the control plane has no node)."""
+    return kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": name, "labels": {"tasklease.dev/agent": "true"}},
+                              "spec": {"automountServiceAccountToken": False,
+                                       "containers": [{"name": "agent", "image": "agent:dev"}]}})
+
+
 def _lease(kube: Kube, name: str) -> record.LeaseRecord:
     return record.decode(kube.get(LEASES, name))
 
@@ -151,10 +159,7 @@ def test_two_replicas_one_active_and_the_standby_takes_over(
 def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
         cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path, end: str) -> None:
     make_task(kube, "pod-bound", queue="pods", leaseDurationSeconds=120, backoff=NO_BACKOFF)
-    pod = kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
-                             "metadata": {"name": "agent-7", "labels": {"tasklease.dev/agent": "true"}},
-                             "spec": {"automountServiceAccountToken": False,
-                                      "containers": [{"name": "agent", "image": "agent:dev"}]}})
+    pod = _agent_pod(kube, "agent-7")
     config = cluster.namespaced_kubeconfig(namespace, tmp_path)
     holder, _ = _hold(config, "pods", tmp_path / "holder.log", "agent-7")
     try:
@@ -172,6 +177,41 @@ def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
     assert _lease(kube, "pod-bound").history[0].outcome == "Expired"
     assert (f'tasklease_expirations_total{{cause="pod-gone",namespace="{namespace}",queue="pods"}} 1.0'
             in operator.get("/metrics")[1])
+
+
+def test_a_pod_recreated_under_the_same_name_keeps_what_it_claims_and_loses_it_when_it_goes(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
+    """A StatefulSet's pod: worker-0 is deleted and comes back under the same name (a new uid)."""
+    def pod_gone_expirations() -> float:
+        return operator.metric(f'tasklease_expirations_total{{cause="pod-gone",namespace="{namespace}",queue="sts"}}')
+
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    for name in ("before", "after"):
+        make_task(kube, name, queue="sts", leaseDurationSeconds=120, maxAttempts=1)  # never claimed twice
+    first_uid = _agent_pod(kube, "worker-0")["metadata"]["uid"]
+    old, old_claim = _hold(config, "sts", tmp_path / "old.log", "worker-0")
+    held = old_claim["claimed"]
+    kube.delete(PODS, "worker-0")
+    wait_for(lambda: _lease(kube, held).state != record.HELD, message="the old pod's task expired (pod gone)")
+    old.kill()  # its container went with its pod
+    wait_for(lambda: pod_gone_expirations() == 1, message="one pod-gone expiration counted")
+
+    # The pod's successor claims before the operator has seen it (its Pod object is not even
+    # there yet): only the name is the same, and its claim is not expired as "pod gone".
+    new, new_claim = _hold(config, "sts", tmp_path / "new.log", "worker-0")
+    try:
+        other = new_claim["claimed"]
+        assert other != held
+        wait_for(lambda: (kube.get(TASKS, other).get("status") or {}).get("holder") == new_claim["holder"],
+                 message="the operator to project the new pod's claim")
+        assert _lease(kube, other).holder == new_claim["holder"]
+        assert _agent_pod(kube, "worker-0")["metadata"]["uid"] != first_uid  # now the new pod shows up
+        kube.delete(PODS, "worker-0")  # and goes: its task is expired at once (not in 120 s)
+        wait_for(lambda: _lease(kube, other).state != record.HELD, message="the new pod's task expired (pod gone)")
+    finally:
+        new.stop()
+    wait_for(lambda: pod_gone_expirations() == 2, message="two pod-gone expirations counted")
+    assert [a.outcome for a in _lease(kube, other).history] == ["Expired"]
 
 
 def test_at_idle_the_operator_makes_no_request_but_its_watches(

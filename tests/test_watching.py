@@ -1,12 +1,19 @@
-"""Discovery's watches against a real API server: a restarted watch misses nothing."""
+"""Discovery's watches against a real API server: a restarted watch misses nothing, and one
+whose version the server no longer keeps (410 Gone) lists again."""
 
 from __future__ import annotations
 
 import threading
 
-from conftest import wait_for
-from tasklease.kube import LEASES, JSON, Kube
+import pytest
+
+from conftest import Cluster, wait_for
+from tasklease.dev.cluster import compact_etcd
+from tasklease.kube import LEASES, JSON, Kube, Resource
 from tasklease.kube.watching import Reflector
+
+# Watched straight from etcd on the local control plane (no watch cache, see dev/cluster.py).
+PODTEMPLATES = Resource("", "v1", "podtemplates")
 
 
 def test_a_watch_that_keeps_ending_resumes_from_its_last_version_without_missing_anything(kube: Kube) -> None:
@@ -63,3 +70,46 @@ def test_a_watch_without_rights_stops_and_says_why(cluster, namespace: str, tmp_
     reflector._thread.join(30)
     assert not reflector._thread.is_alive()  # no retry loop against a permanent refusal
     assert isinstance(reflector.error, errors.Forbidden)
+
+
+def test_a_watch_resumed_from_a_compacted_version_lists_again_and_reports_what_changed_meanwhile(
+        cluster: Cluster, kube: Kube) -> None:
+    if cluster.etcd_port is None:
+        pytest.skip("needs the local control plane's etcd")
+
+    def template(name: str) -> JSON:
+        return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name, "labels": {"test": "gone"}},
+                "template": {"spec": {"containers": [{"name": "c", "image": "none"}]}}}
+
+    kube.create(PODTEMPLATES, template("deleted-meanwhile"))
+    kube.create(PODTEMPLATES, template("kept"))
+    seen: list[str] = []
+    held, resume = threading.Event(), threading.Event()
+
+    def listener(kind: str, obj: JSON) -> None:
+        seen.append(f"{kind} {obj['metadata']['name']}")
+        if not held.is_set():  # the first event of the first list: keep the reflector here
+            held.set()
+            resume.wait(60)
+
+    reflector = Reflector(kube, PODTEMPLATES, namespace=kube.namespace, listener=listener, label_selector="test=gone")
+    reflector.start()
+    try:
+        assert held.wait(30)
+        # The list's version, which the watch will resume from, leaves etcd's history: the
+        # changes made meanwhile can no longer be streamed, only listed.
+        kube.delete(PODTEMPLATES, "deleted-meanwhile")
+        kube.create(PODTEMPLATES, template("created-meanwhile"))
+        compact_etcd(cluster.etcd_port)
+        resume.set()
+        # Two from the first list, three from the second (the deletion last).
+        wait_for(lambda: len(seen) >= 5, message="the reflector to list again")
+    finally:
+        resume.set()
+        reflector.stop()
+    assert reflector.lists == 2  # the 410 made it list again
+    assert set(reflector.store) == {"kept", "created-meanwhile"}  # nothing stale
+    first, relisted = sorted(seen[:2]), sorted(seen[2:])
+    assert first == ["ADDED deleted-meanwhile", "ADDED kept"]
+    assert relisted == ["ADDED created-meanwhile", "ADDED kept", "DELETED deleted-meanwhile"]
+    assert reflector.error is None

@@ -8,14 +8,18 @@ watch stops with the last registration. No polling: the API server pushes the ch
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from tasklease.api import errors
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.agent.discovery import task_selector
+
+log = logging.getLogger(__name__)
 
 OnCancel = Callable[[str], None]
 Key = tuple[int, str, str]  # (id of the API client, namespace, queue)
@@ -49,7 +53,13 @@ class _QueueFollower:
         """The task left (or was never seen by) the watch: ask the API server why. Leaving the
         selector is not the end by itself, since a finished task can be retried; only a
         deletion or a cancel is final, so only those are remembered for a late claim."""
-        live = self.kube.get_or_none(TASKS, name, namespace=self.key[1]) or {}
+        try:
+            live = self.kube.get_or_none(TASKS, name, namespace=self.key[1]) or {}
+        except errors.TaskleaseError as exc:
+            # Only a shortcut: a holder whose task is gone still learns it at its next renewal.
+            log.warning("could not check why task %s/%s left the watch (%s); its holder, if any, learns it "
+                        "at its next renewal", self.key[1], name, exc)
+            return
         if (live.get("metadata") or {}).get("uid") != uid:
             self._end(name, uid, f"task {self.key[1]}/{name} was deleted")
         elif (live.get("spec") or {}).get("cancel"):

@@ -116,6 +116,10 @@ class Health:
             self.problem = f"the Task CRD ({models.PLURAL}.{models.GROUP}) was deleted"
             log.error("not ready: %s", self.problem)
             return
+        if not _established(obj):
+            # kopf finds what it watches when it starts: restarted before the new CRD is
+            # served, it would never watch Tasks. The CRD's Established event comes next.
+            return
         uid = obj["metadata"]["uid"]
         if self._crd_uid and uid != self._crd_uid:
             self.problem = ""
@@ -153,3 +157,9 @@ class Health:
         if self.elector_alive is not None and not self.elector_alive():
             gone.append("leader-election")
         return f"thread(s) died: {', '.join(gone)}" if gone else ""
+
+
+def _established(crd: JSON) -> bool:
+    """True once the API server serves the CRD's resource (its Established condition)."""
+    conditions = (crd.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
