@@ -21,7 +21,7 @@ from datetime import datetime
 
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
-from tasklease.kube.watching import Reflector
+from tasklease.kube.watching import Listener, Reflector
 from tasklease.protocol import LeaseRecord, TaskView, record
 from tasklease.protocol.rules import Blocker, blocker
 
@@ -127,6 +127,7 @@ class QueueView:
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
+        self.task_listeners: list[Listener] = []  # also told of every Task event, after the view
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
                       listener=self._on_task, keep_objects=False),
@@ -156,6 +157,11 @@ class QueueView:
     def stop(self) -> None:
         for r in self._reflectors:
             r.stop()
+
+    @property
+    def task_watch(self) -> Reflector:
+        """The watch of the queue's open Tasks (identities only in its store)."""
+        return self._reflectors[0]
 
     def choose(self, holder: str, now: datetime, *, window: int) -> list[Candidate]:
         """What `holder` should try now, best first: the oldest claimable tasks of the highest
@@ -227,6 +233,8 @@ class QueueView:
             else:
                 self._tasks[name] = view
             self._judge(name, timestamps.now_utc())
+        for listener in self.task_listeners:
+            listener(kind, obj)
 
     def _on_lease(self, kind: str, obj: JSON) -> None:
         meta = obj["metadata"]

@@ -35,7 +35,7 @@ from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.protocol import record
-from tasklease.agent.cancel import Following
+from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
 from tasklease.agent.discovery import Candidate, QueueView, task_selector, weight
 from tasklease.kube import JSON, LEASES, TASKS, Kube
@@ -390,6 +390,7 @@ class Agent:
         self.protocol = Protocol(kube)
         self.best_of = best_of
         self._views: dict[str, QueueView] = {}
+        self._unshare: list[Callable[[], None]] = []
         self._views_lock = threading.Lock()
 
     @classmethod
@@ -522,9 +523,12 @@ class Agent:
 
     def close(self) -> None:
         with self._views_lock:
+            for unshare in self._unshare:
+                unshare()
             for view in self._views.values():
                 view.stop()
             self._views.clear()
+            self._unshare.clear()
 
     def watch(self, queue: str) -> QueueView:
         """Start watching `queue` now (claim does it on first use); idempotent."""
@@ -534,6 +538,9 @@ class Agent:
                 view = QueueView(self.kube, namespace=self.namespace, queue=queue)
                 view.start()
                 self._views[queue] = view
+                # Our claims in this queue hear of a cancel from this watch, not one more each.
+                self._unshare.append(share(self.kube, namespace=self.namespace, queue=queue,
+                                           tasks=view.task_watch, listeners=view.task_listeners))
             return view
 
     def _try(self, view: QueueView, candidates: list[Candidate], *,

@@ -347,7 +347,9 @@ def _worker(args: argparse.Namespace) -> Results:
                 return held
             agent.protocol.claim = timed_claim  # type: ignore[method-assign]
             agent.protocol.complete = timed_complete  # type: ignore[method-assign]
+            cpu = _cpu_s()
             done = agent.work("bench", lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
+            report = {"cpu_s": _cpu_s() - cpu}
         agent.close()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "rss_mb": rss_mb, **report}
