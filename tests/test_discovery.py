@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
-from tasklease.agent.discovery import CandidateIndex, rendezvous
+from tasklease.agent.discovery import CandidateIndex, divide, owner, weight
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import Kube
 from tasklease.protocol import Protocol
@@ -28,11 +30,46 @@ def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
     assert index.best(3) == [] and len(index) == 0
 
 
-def test_agents_looking_at_the_same_band_prefer_different_tasks() -> None:
-    names = [f"task-{i:02d}" for i in range(32)]
-    first_choices = {rendezvous(f"agent-{a}/x", names)[0] for a in range(16)}
-    assert len(first_choices) >= 8  # a shuffle shared by all would give one
-    assert rendezvous("agent-0/x", names) == rendezvous("agent-0/x", list(reversed(names)))
+def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
+    names = [f"task-{i:03d}" for i in range(128)]
+    agents = [f"agent-{a}/x" for a in range(16)]
+    owners = functools.partial(owner, agents)
+    divisions = {a: divide(a, names, owners) for a in agents}
+    ours = [set(d.names[:d.ours]) for d in divisions.values()]
+    assert sum(len(o) for o in ours) == len(names) and set().union(*ours) == set(names)  # each task once
+    assert all(ours)  # each agent has work of its own: nobody needs to steal
+    assert all(sorted(d.names) == names and not d.contested for d in divisions.values())
+    # The same division whatever order the names come in, and ours in our own weight order.
+    again = divide(agents[0], list(reversed(names)), owners)
+    assert again == divisions[agents[0]]
+    mine = again.names[:again.ours]
+    assert mine == sorted(mine, key=lambda n: weight(agents[0], n), reverse=True)
+
+
+def test_a_thief_takes_what_the_owner_will_not_take_soon_and_thieves_spread() -> None:
+    names = [f"task-{i:02d}" for i in range(6)]
+    # Two tasks of an idle owner, one of a busy owner: the busy owner's and the idle owner's
+    # second favourite first (in our order); its favourite last, as it is likely to take that now.
+    table = {"task-00": (0.9, "idle"), "task-01": (0.8, "idle"), "task-02": (0.5, "busy")}
+    division = divide("me", names[:3], lambda n: table[n], busy={"busy"})
+    assert division.ours == 0 and not division.contested
+    assert sorted(division.names[:2]) == ["task-01", "task-02"] and division.names[2] == "task-00"
+    alone = divide("me", ["task-00"], lambda n: table[n])
+    assert alone.contested  # the only task left: its idle owner is about to take it
+    # Thieves with nothing of their own start from different tasks.
+    spread = {f"thief-{t}": divide(f"thief-{t}", names, lambda n: (1.0, "owner"), busy={"owner"})
+              for t in range(8)}
+    assert len({d.names[0] for d in spread.values()}) >= 3
+
+
+def test_strict_priority_holds_whoever_owns_what() -> None:
+    index = CandidateIndex()
+    for i in range(64):
+        index.add(f"low-{i:02d}", 0, f"2026-01-01T00:00:{i:02d}Z")
+    index.add("urgent", 1000, "2026-01-01T00:10:00Z")
+    agents = [f"agent-{a}/x" for a in range(16)]
+    # Whoever owns it, every agent is offered only the urgent task: a thief takes it, or its owner.
+    assert {tuple(divide(a, index.best(128), functools.partial(owner, agents)).names) for a in agents} == {("urgent",)}
 
 
 def test_a_claim_takes_the_highest_priority_task_every_time(kube: Kube) -> None:
@@ -45,7 +82,7 @@ def test_a_claim_takes_the_highest_priority_task_every_time(kube: Kube) -> None:
             make_task(kube, f"urgent-{round_}", queue="prio", priority=1000)
             # The urgent task must be in the agent's picture before the claim can be judged.
             wait_for(lambda round_=round_: any(t.name == f"urgent-{round_}"
-                                               for t, _ in view.choose("x", now_utc(), window=1)),
+                                               for t, _ in view.choose("x", now_utc(), window=1)[0]),
                      message="the urgent task in the agent's view")
             task = agent.claim("prio", timeout=30)
             assert task.name == f"urgent-{round_}"

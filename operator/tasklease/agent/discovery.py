@@ -16,8 +16,9 @@ import heapq
 import json
 import threading
 import time
-from dataclasses import replace
-from datetime import datetime
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
@@ -46,10 +47,46 @@ def weight(holder: str, name: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def rendezvous(holder: str, names: list[str]) -> list[str]:
-    """`names` in `holder`'s own order (highest weight first): agents looking at the same
-    candidates prefer different ones, so they rarely race for the same task."""
-    return sorted(names, key=lambda name: weight(holder, name), reverse=True)
+def owner(peers: Iterable[str], name: str) -> tuple[float, str]:
+    """(weight, peer): the peer task `name` belongs to, the one that weighs it highest."""
+    return max((weight(peer, name), peer) for peer in peers)
+
+
+@dataclass(frozen=True)
+class Division:
+    """One look's candidates divided among the agents at work (rendezvous hashing): each
+    task belongs to the agent that weighs it highest. Agents that know the same peers never
+    race for a task while each has one of its own; a task is taken from its owner (stolen)
+    only by an agent that has none."""
+
+    names: list[str]  # best first: ours in our weight order, then the others' (`steal_order`)
+    ours: int  # how many at the head are ours
+    contested: bool  # no task is ours, and the first is likely to be taken by its idle owner soon
+
+
+def divide(me: str, names: list[str], owners: Callable[[str], tuple[float, str]],
+           busy: Collection[str] = ()) -> Division:
+    """Divide `names` (one band's oldest) between `me` and the peers `owners` names. The
+    others' tasks come in the order a thief should try them: first the ones their owner will
+    not take soon (it holds a task already, or it has older favourites of its own to take
+    first), then by our weight, so that thieves too spread out."""
+    ours: list[str] = []
+    theirs: dict[str, list[tuple[float, str]]] = {}
+    for name in names:
+        top, peer = owners(name)
+        if peer == me:
+            ours.append(name)
+        else:
+            theirs.setdefault(peer, []).append((top, name))
+    ours.sort(key=lambda name: weight(me, name), reverse=True)
+    later: list[tuple[bool, float, str]] = []  # (soon, our weight, name): sorted, `not soon` first
+    for peer, tasks in theirs.items():
+        tasks.sort(reverse=True)  # the owner's own order
+        for rank, (_, name) in enumerate(tasks):
+            later.append((rank == 0 and peer not in busy, -weight(me, name), name))
+    later.sort()
+    return Division(names=ours + [name for _, _, name in later], ours=len(ours),
+                    contested=not ours and bool(later) and later[0][0])
 
 
 class CandidateIndex:
@@ -123,7 +160,12 @@ class QueueView:
         self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
         self._index = CandidateIndex()
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
-        self._held: set[str] = set()  # open tasks whose Lease is held: about how many agents are at work
+        self._held: dict[str, str] = {}  # open tasks whose Lease is held → holder: the agents at work
+        # Holders seen at work in this queue → until when they count as peers (a lease
+        # duration after they were last seen holding a lease). Candidates are divided among them.
+        self._peers: dict[str, datetime] = {}
+        self._owners: dict[str, tuple[float, str]] = {}  # name → its owner among `_owners_of`
+        self._owners_of: frozenset[str] = frozenset()
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
@@ -163,21 +205,22 @@ class QueueView:
         """The watch of the queue's open Tasks (identities only in its store)."""
         return self._reflectors[0]
 
-    def choose(self, holder: str, now: datetime, *, window: int) -> list[Candidate]:
-        """What `holder` should try now, best first: the oldest claimable tasks of the highest
-        priority band, in `holder`'s rendezvous order. Empty when nothing is claimable.
+    def choose(self, holder: str, now: datetime, *, window: int,
+               limit: int | None = None) -> tuple[list[Candidate], Division]:
+        """What `holder` should try now, best first (at most `limit`), and how they divide:
+        the oldest claimable tasks of the highest priority band, `holder`'s own first (see
+        `divide`). Empty when nothing is claimable.
 
-        How many of the oldest: `window`, or more with many agents at work. A task another
-        agent has just claimed still looks claimable here until its Lease arrives; the more
-        agents claim meanwhile, the wider the window must be for such a task to be rarely
-        our favourite (`_SPREAD_PER_HOLDER` per lease held in the queue)."""
+        How many of the oldest: `window`, or more with many agents at work, so that every
+        agent at work owns some of them (`_SPREAD_PER_HOLDER` per lease held in the queue)."""
         with self._changed:
             self._release_due(now)
+            self._expire_peers(now)
             window = max(window, _SPREAD_PER_HOLDER * len(self._held))
             while True:
                 names = self._index.best(window)
                 if not names:
-                    return []
+                    return [], Division(names=[], ours=0, contested=False)
                 ready = []
                 for name in names:
                     task, rec = self._tasks[name], self._leases.get(name)
@@ -186,16 +229,15 @@ class QueueView:
                     else:
                         self._judge(name, now)  # its deadline passed since it was indexed
                 if ready:
-                    return [(self._tasks[n], self._with_history(n)) for n in rendezvous(holder, ready)]
+                    peers = frozenset((*self._peers, holder))
+                    if peers != self._owners_of or len(self._owners) > 4 * window:
+                        self._owners, self._owners_of = {}, peers
+                    division = divide(holder, ready, self._owner, busy=set(self._held.values()))
+                    return [(self._tasks[n], self._with_history(n)) for n in division.names[:limit]], division
 
     def claimable_count(self) -> int:
         with self._changed:
             return len(self._index)
-
-    def held_count(self) -> int:
-        """Open tasks whose Lease is held: about how many agents are at work in this queue."""
-        with self._changed:
-            return len(self._held)
 
     def next_not_before(self) -> datetime | None:
         """The earliest backoff or delayed start still running among open tasks: when to look
@@ -257,11 +299,27 @@ class QueueView:
                 self._histories.pop(name, None)
             else:
                 self._leases[name] = rec
+                if rec.state == record.HELD:
+                    now = timestamps.now_utc()
+                    self._peers[rec.holder] = max(self._peers.get(rec.holder, now),
+                                                  now + timedelta(seconds=rec.duration_s))
                 if history and rec.state != record.CLOSED:
                     self._histories[name] = history
                 else:
                     self._histories.pop(name, None)
             self._judge(name, timestamps.now_utc())
+
+    def _owner(self, name: str) -> tuple[float, str]:
+        """Caller holds the lock. `owner` among the current peers, computed once per peer set."""
+        found = self._owners.get(name)
+        if found is None:
+            found = self._owners[name] = owner(self._owners_of, name)
+        return found
+
+    def _expire_peers(self, now: datetime) -> None:
+        """Caller holds the lock."""
+        for peer in [p for p, until in self._peers.items() if until <= now]:
+            del self._peers[peer]
 
     def _with_history(self, name: str) -> LeaseRecord | None:
         """Caller holds the lock. The Lease of candidate `name`, whole again for the claim's write."""
@@ -276,9 +334,9 @@ class QueueView:
         task = self._tasks.get(name)
         rec = self._leases.get(name)
         if task is not None and rec is not None and rec.state == record.HELD:
-            self._held.add(name)
+            self._held[name] = rec.holder
         else:
-            self._held.discard(name)
+            self._held.pop(name, None)
         if task is None:
             self._index.discard(name)
             return

@@ -37,7 +37,7 @@ from tasklease.api import errors, models, timestamps
 from tasklease.protocol import record
 from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
-from tasklease.agent.discovery import Candidate, QueueView, task_selector, weight
+from tasklease.agent.discovery import Candidate, Division, QueueView, task_selector, weight
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 
@@ -47,7 +47,7 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
-_SPREAD_S = 0.1  # the longest an agent facing a crowd holds back (by its weight)
+_SPREAD_S = 0.1  # how long a thief holds back at most (by its weight), and once more if the owner is idle
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
@@ -424,25 +424,25 @@ class Agent:
         view = self.watch(queue)
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
-        woken = False
         while True:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
-            if candidates and (woken or len(candidates) <= view.held_count()):
-                # Woken with the rest of an idle fleet (say, by one new task), or fewer
-                # candidates than agents at work: hold back by our weight for the best one, so
-                # that the fleet's favourite tries first and the others see it held instead of
-                # racing it. With a backlog (more candidates than agents) nobody waits here.
-                pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name))
+            candidates, division = self._look(view)
+            if candidates and not division.ours:
+                # Nothing of ours: hold back before taking another agent's task, by our weight
+                # for it, so that thieves go one after the other and each sees the last one's
+                # claim; longer when its owner is idle and likely to take it itself right now.
+                pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name)
+                                     + (1 if division.contested else 0))
                 if stop is None:
                     time.sleep(pause)
                 elif stop.wait(pause):
                     raise errors.NothingToClaim("stopped")
-                candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
-            woken = False
-            claimed, lost = self._try(view, candidates, interrupt=interrupt)
+                candidates, division = self._look(view)
+            # While we have tasks of our own, a lost race was over one of ours (our picture of
+            # who is at work differs from a peer's): the next look offers our others.
+            claimed, lost = self._try(view, candidates[:division.ours or None], interrupt=interrupt)
             if claimed is not None:
                 return claimed
             wait = 60.0
@@ -463,7 +463,6 @@ class Agent:
             if stop is not None:
                 wait = min(wait, _STOP_CHECK_S)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
-            woken = True
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
         """One look, no watch, for the stateless CLI: the queue's open Tasks are read a page at a
@@ -542,6 +541,9 @@ class Agent:
                 self._unshare.append(share(self.kube, namespace=self.namespace, queue=queue,
                                            tasks=view.task_watch, listeners=view.task_listeners))
             return view
+
+    def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
+        return view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of, limit=_TRIES_PER_LOOK)
 
     def _try(self, view: QueueView, candidates: list[Candidate], *,
              interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:
