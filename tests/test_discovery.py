@@ -46,19 +46,16 @@ def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
     assert mine == sorted(mine, key=lambda n: weight(agents[0], n), reverse=True)
 
 
-def test_a_thief_takes_what_the_owner_will_not_take_soon_and_thieves_spread() -> None:
+def test_a_thief_takes_only_from_owners_that_are_not_claiming_and_thieves_spread() -> None:
     names = [f"task-{i:02d}" for i in range(6)]
-    # Two tasks of an idle owner, one of a busy owner: the busy owner's and the idle owner's
-    # second favourite first (in our order); its favourite last, as it is likely to take that now.
-    table = {"task-00": (0.9, "idle"), "task-01": (0.8, "idle"), "task-02": (0.5, "busy")}
-    division = divide("me", names[:3], lambda n: table[n], busy={"busy"})
-    assert division.ours == 0 and not division.contested
-    assert sorted(division.names[:2]) == ["task-01", "task-02"] and division.names[2] == "task-00"
-    alone = divide("me", ["task-00"], lambda n: table[n])
-    assert alone.contested  # the only task left: its idle owner is about to take it
+    table = {"task-00": (0.9, "claiming"), "task-01": (0.8, "claiming"), "task-02": (0.5, "stuck")}
+    division = divide("me", names[:3], lambda n: table[n], active={"claiming"})
+    # The task of the owner that stopped claiming first; the claiming owner's are left to it.
+    assert division.ours == 0 and not division.contested and division.names[0] == "task-02"
+    left = divide("me", names[:2], lambda n: table[n], active={"claiming"})
+    assert left.contested and left.ours == 0
     # Thieves with nothing of their own start from different tasks.
-    spread = {f"thief-{t}": divide(f"thief-{t}", names, lambda n: (1.0, "owner"), busy={"owner"})
-              for t in range(8)}
+    spread = {f"thief-{t}": divide(f"thief-{t}", names, lambda n: (1.0, "owner")) for t in range(8)}
     assert len({d.names[0] for d in spread.values()}) >= 3
 
 

@@ -28,6 +28,8 @@ from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]
 _SPREAD_PER_HOLDER = 8
+# A peer that claimed this recently is at it: the tasks it owns are left to it.
+_ACTIVE = timedelta(seconds=1)
 
 
 def task_selector(queue: str) -> str:
@@ -57,33 +59,28 @@ class Division:
     """One look's candidates divided among the agents at work (rendezvous hashing): each
     task belongs to the agent that weighs it highest. Agents that know the same peers never
     race for a task while each has one of its own; a task is taken from its owner (stolen)
-    only by an agent that has none."""
+    only by an agent that has none, and only from an owner that is not claiming."""
 
-    names: list[str]  # best first: ours in our weight order, then the others' (`steal_order`)
+    names: list[str]  # best first: ours in our weight order, then the others' (`divide`)
     ours: int  # how many at the head are ours
-    contested: bool  # no task is ours, and the first is likely to be taken by its idle owner soon
+    contested: bool  # none is ours, and the first belongs to an owner that is claiming: it takes it
 
 
 def divide(me: str, names: list[str], owners: Callable[[str], tuple[float, str]],
-           busy: Collection[str] = ()) -> Division:
+           active: Collection[str] = ()) -> Division:
     """Divide `names` (one band's oldest) between `me` and the peers `owners` names. The
-    others' tasks come in the order a thief should try them: first the ones their owner will
-    not take soon (it holds a task already, or it has older favourites of its own to take
-    first), then by our weight, so that thieves too spread out."""
+    others' tasks come in the order a thief should try them: first the ones whose owner is
+    not `active` (it has not claimed for a while: it is busy with long work, stopped or
+    dead), then by our weight, so that thieves too spread out."""
     ours: list[str] = []
-    theirs: dict[str, list[tuple[float, str]]] = {}
+    later: list[tuple[bool, float, str]] = []  # (owner active, -our weight, name): inactive first
     for name in names:
-        top, peer = owners(name)
+        peer = owners(name)[1]
         if peer == me:
             ours.append(name)
         else:
-            theirs.setdefault(peer, []).append((top, name))
+            later.append((peer in active, -weight(me, name), name))
     ours.sort(key=lambda name: weight(me, name), reverse=True)
-    later: list[tuple[bool, float, str]] = []  # (soon, our weight, name): sorted, `not soon` first
-    for peer, tasks in theirs.items():
-        tasks.sort(reverse=True)  # the owner's own order
-        for rank, (_, name) in enumerate(tasks):
-            later.append((rank == 0 and peer not in busy, -weight(me, name), name))
     later.sort()
     return Division(names=ours + [name for _, _, name in later], ours=len(ours),
                     contested=not ours and bool(later) and later[0][0])
@@ -161,9 +158,10 @@ class QueueView:
         self._index = CandidateIndex()
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
         self._held: dict[str, str] = {}  # open tasks whose Lease is held → holder: the agents at work
-        # Holders seen at work in this queue → until when they count as peers (a lease
-        # duration after they were last seen holding a lease). Candidates are divided among them.
-        self._peers: dict[str, datetime] = {}
+        # Holders seen at work in this queue → (when last seen claiming, until when they count
+        # as peers: a lease duration after they were last seen holding a lease). Candidates are
+        # divided among them.
+        self._peers: dict[str, tuple[datetime, datetime]] = {}
         self._owners: dict[str, tuple[float, str]] = {}  # name → its owner among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
         self._changed = threading.Condition()
@@ -232,7 +230,8 @@ class QueueView:
                     peers = frozenset((*self._peers, holder))
                     if peers != self._owners_of or len(self._owners) > 4 * window:
                         self._owners, self._owners_of = {}, peers
-                    division = divide(holder, ready, self._owner, busy=set(self._held.values()))
+                    active = {p for p, (claimed, _) in self._peers.items() if now - claimed < _ACTIVE}
+                    division = divide(holder, ready, self._owner, active)
                     return [(self._tasks[n], self._with_history(n)) for n in division.names[:limit]], division
 
     def claimable_count(self) -> int:
@@ -298,11 +297,9 @@ class QueueView:
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
             else:
-                self._leases[name] = rec
                 if rec.state == record.HELD:
-                    now = timestamps.now_utc()
-                    self._peers[rec.holder] = max(self._peers.get(rec.holder, now),
-                                                  now + timedelta(seconds=rec.duration_s))
+                    self._seen_at_work(rec, self._leases.get(name))
+                self._leases[name] = rec
                 if history and rec.state != record.CLOSED:
                     self._histories[name] = history
                 else:
@@ -316,9 +313,17 @@ class QueueView:
             found = self._owners[name] = owner(self._owners_of, name)
         return found
 
+    def _seen_at_work(self, rec: LeaseRecord, before: LeaseRecord | None) -> None:
+        """Caller holds the lock. `rec.holder` holds a lease of this queue: a peer."""
+        now = timestamps.now_utc()
+        claimed, until = self._peers.get(rec.holder, (now, now))
+        if before is None or before.epoch != rec.epoch:  # a claim, not a renewal
+            claimed = now
+        self._peers[rec.holder] = (claimed, max(until, now + timedelta(seconds=rec.duration_s)))
+
     def _expire_peers(self, now: datetime) -> None:
         """Caller holds the lock."""
-        for peer in [p for p, until in self._peers.items() if until <= now]:
+        for peer in [p for p, (_, until) in self._peers.items() if until <= now]:
             del self._peers[peer]
 
     def _with_history(self, name: str) -> LeaseRecord | None:

@@ -47,7 +47,7 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
-_SPREAD_S = 0.1  # how long a thief holds back at most (by its weight), and once more if the owner is idle
+_SPREAD_S = 0.1  # how long a thief holds back at most (by its weight); how often it looks at contested tasks
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
@@ -428,24 +428,11 @@ class Agent:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            candidates, division = self._look(view)
-            if candidates and not division.ours:
-                # Nothing of ours: hold back before taking another agent's task, by our weight
-                # for it, so that thieves go one after the other and each sees the last one's
-                # claim; longer when its owner is idle and likely to take it itself right now.
-                pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name)
-                                     + (1 if division.contested else 0))
-                if stop is None:
-                    time.sleep(pause)
-                elif stop.wait(pause):
-                    raise errors.NothingToClaim("stopped")
-                candidates, division = self._look(view)
-            # While we have tasks of our own, a lost race was over one of ours (our picture of
-            # who is at work differs from a peer's): the next look offers our others.
-            claimed, lost = self._try(view, candidates[:division.ours or None], interrupt=interrupt)
+            candidates, recheck = self._pick(view, stop)
+            claimed, lost = self._try(view, candidates, interrupt=interrupt)
             if claimed is not None:
                 return claimed
-            wait = 60.0
+            wait = recheck
             if lost:
                 rounds_lost += 1
                 if rounds_lost < _LOST_ROUNDS and view.claimable_count():
@@ -541,6 +528,28 @@ class Agent:
                 self._unshare.append(share(self.kube, namespace=self.namespace, queue=queue,
                                            tasks=view.task_watch, listeners=view.task_listeners))
             return view
+
+    def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float]:
+        """What to try now, and how long to wait before looking again if none of it is won."""
+        candidates, division = self._look(view)
+        if candidates and not division.ours and not division.contested:
+            # Nothing of ours, but a task whose owner is not claiming: hold back by our weight
+            # for it, so that thieves go one after the other and each sees the last one's claim.
+            pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name))
+            if stop is None:
+                time.sleep(pause)
+            elif stop.wait(pause):
+                raise errors.NothingToClaim("stopped")
+            candidates, division = self._look(view)
+        if division.ours:
+            # A race lost over one of ours means a peer sees other peers than we do: the next
+            # look offers our others, not the rest of the fleet's.
+            return candidates[:division.ours], 60.0
+        if division.contested:
+            # All that is left belongs to agents that are claiming: they take it themselves.
+            # Look again shortly (no request), in case one of them stops.
+            return [], _SPREAD_S
+        return candidates, 60.0
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
         return view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of, limit=_TRIES_PER_LOOK)
