@@ -14,11 +14,14 @@ import bisect
 import hashlib
 import heapq
 import json
+import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import Final
 
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
@@ -30,6 +33,7 @@ Candidate = tuple[TaskView, LeaseRecord | None]
 _SPREAD_PER_HOLDER = 8
 # A peer that claimed this recently is at it: the tasks it owns are left to it.
 _ACTIVE = timedelta(seconds=1)
+_DECODED = 1024  # task views kept decoded (the most recently used)
 
 
 def task_selector(queue: str) -> str:
@@ -86,6 +90,27 @@ def divide(me: str, names: list[str], owners: Callable[[str], tuple[float, str]]
                     contested=not ours and bool(later) and later[0][0])
 
 
+# The spec's defaults as the API server writes them: a field equal to its default is not
+# kept, as validating the rest gives it back.
+_SPEC_DEFAULTS: Final = models.TaskSpec.model_validate({"queue": "q"}).model_dump(mode="json", by_alias=True)
+
+
+def compact(task: JSON) -> bytes:
+    """What `TaskView.of` reads from a Task but its name and namespace (`expand` puts them
+    back), without the spec's defaults, as compact JSON."""
+    meta, status = task["metadata"], task.get("status") or {}
+    slim = {"metadata": {k: meta[k] for k in ("uid", "creationTimestamp") if k in meta},
+            "spec": {k: v for k, v in (task.get("spec") or {}).items() if _SPEC_DEFAULTS.get(k, ...) != v},
+            "status": {k: status[k] for k in ("attempt", "phase") if k in status}}
+    return json.dumps(slim, separators=(",", ":")).encode()
+
+
+def expand(text: bytes, *, name: str, namespace: str) -> TaskView:
+    task = json.loads(text)
+    task["metadata"].update(name=name, namespace=namespace)
+    return TaskView.of(task)
+
+
 class CandidateIndex:
     """Claimable task names by priority band, oldest first within a band.
 
@@ -109,6 +134,7 @@ class CandidateIndex:
         before = self._members.get(name)
         if before == (priority, created):
             return False
+        created = sys.intern(created)  # tasks created in the same second share it
         self._members[name] = (priority, created)
         band = self._bands.get(priority)
         if band is None:
@@ -151,7 +177,12 @@ class QueueView:
 
     def __init__(self, kube: Kube, *, namespace: str, queue: str) -> None:
         self.queue = queue
-        self._tasks: dict[str, TaskView] = {}
+        self._namespace = namespace
+        # Every open task as compact JSON (what `TaskView.of` reads, nothing else): a few hundred
+        # bytes where a TaskView takes about two kilobytes. Views are decoded again on demand and
+        # the recent ones kept: the window's candidates are looked at again and again.
+        self._tasks: dict[str, bytes] = {}
+        self._decoded: OrderedDict[str, TaskView] = OrderedDict()
         self._leases: dict[str, LeaseRecord] = {}  # without their history: see _on_lease
         self._histories: dict[str, str] = {}  # name → the Lease's history annotation, as sent
         self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
@@ -221,8 +252,8 @@ class QueueView:
                     return [], Division(names=[], ours=0, contested=False)
                 ready = []
                 for name in names:
-                    task, rec = self._tasks[name], self._leases.get(name)
-                    if blocker(task, rec, now) is None:
+                    task, rec = self._task(name), self._leases.get(name)
+                    if task is not None and blocker(task, rec, now) is None:
                         ready.append(name)
                     else:
                         self._judge(name, now)  # its deadline passed since it was indexed
@@ -232,7 +263,7 @@ class QueueView:
                         self._owners, self._owners_of = {}, peers
                     active = {p for p, (claimed, _) in self._peers.items() if now - claimed < _ACTIVE}
                     division = divide(holder, ready, self._owner, active)
-                    return [(self._tasks[n], self._with_history(n)) for n in division.names[:limit]], division
+                    return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
 
     def claimable_count(self) -> int:
         with self._changed:
@@ -264,15 +295,18 @@ class QueueView:
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]
         view = None if kind == "DELETED" else TaskView.of(obj)
+        text = b"" if view is None else compact(obj)
         with self._changed:
             if view is None:
                 # Finished (it left the phase selector) or deleted: its Lease no longer matters.
                 self._tasks.pop(name, None)
+                self._decoded.pop(name, None)
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
                 self._lost.pop(name, None)
             else:
-                self._tasks[name] = view
+                self._tasks[name] = text
+                self._remember(name, view)
             self._judge(name, timestamps.now_utc())
         for listener in self.task_listeners:
             listener(kind, obj)
@@ -326,6 +360,32 @@ class QueueView:
         for peer in [p for p, (_, until) in self._peers.items() if until <= now]:
             del self._peers[peer]
 
+    def _task(self, name: str) -> TaskView | None:
+        """Caller holds the lock."""
+        view = self._decoded.get(name)
+        if view is not None:
+            self._decoded.move_to_end(name)
+            return view
+        text = self._tasks.get(name)
+        if text is None:
+            return None
+        view = expand(text, name=name, namespace=self._namespace)
+        self._remember(name, view)
+        return view
+
+    def _view(self, name: str) -> TaskView:
+        """Caller holds the lock. The view of a task known to be open."""
+        view = self._task(name)
+        assert view is not None
+        return view
+
+    def _remember(self, name: str, view: TaskView) -> None:
+        """Caller holds the lock."""
+        self._decoded[name] = view
+        self._decoded.move_to_end(name)
+        if len(self._decoded) > _DECODED:
+            self._decoded.popitem(last=False)
+
     def _with_history(self, name: str) -> LeaseRecord | None:
         """Caller holds the lock. The Lease of candidate `name`, whole again for the claim's write."""
         rec = self._leases.get(name)
@@ -336,7 +396,7 @@ class QueueView:
 
     def _judge(self, name: str, now: datetime) -> None:
         """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable."""
-        task = self._tasks.get(name)
+        task = self._task(name)
         rec = self._leases.get(name)
         if task is not None and rec is not None and rec.state == record.HELD:
             self._held[name] = rec.holder
@@ -372,7 +432,7 @@ class QueueView:
 
     def _waiting(self, until: datetime, name: str) -> bool:
         """Caller holds the lock. Is `name` still backing off, or scheduled, until `until`?"""
-        task, rec = self._tasks.get(name), self._leases.get(name)
+        task, rec = self._task(name), self._leases.get(name)
         if task is None:
             return False
         return task.spec.not_before == until or (
