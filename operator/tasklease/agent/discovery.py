@@ -65,29 +65,30 @@ class Division:
     race for a task while each has one of its own; a task is taken from its owner (stolen)
     only by an agent that has none, and only from an owner that is not claiming."""
 
-    names: list[str]  # best first: ours in our weight order, then the others' (`divide`)
-    ours: int  # how many at the head are ours
+    names: list[str]  # best first: ours in our weight order or, if none is ours, the others' (`divide`)
+    ours: int  # how many are ours: all of `names`, or none
     contested: bool  # none is ours, and the first belongs to an owner that is claiming: it takes it
 
 
 def divide(me: str, names: list[str], owners: Callable[[str], tuple[float, str]],
            active: Collection[str] = ()) -> Division:
-    """Divide `names` (one band's oldest) between `me` and the peers `owners` names. The
-    others' tasks come in the order a thief should try them: first the ones whose owner is
-    not `active` (it has not claimed for a while: it is busy with long work, stopped or
-    dead), then by our weight, so that thieves too spread out."""
-    ours: list[str] = []
-    later: list[tuple[bool, float, str]] = []  # (owner active, -our weight, name): inactive first
+    """Divide `names` (one band's oldest) between `me` and the peers `owners` names. When
+    none is ours, the others' come in the order a thief should try them: first the ones
+    whose owner is not `active` (it has not claimed for a while: it is busy with long work,
+    stopped or dead), then by our weight, so that thieves too spread out."""
+    ours: list[tuple[float, str]] = []  # (our weight, name): an owner's weight is the top one
+    theirs: list[tuple[str, str]] = []  # (owner, name)
     for name in names:
-        peer = owners(name)[1]
+        top, peer = owners(name)
         if peer == me:
-            ours.append(name)
+            ours.append((top, name))
         else:
-            later.append((peer in active, -weight(me, name), name))
-    ours.sort(key=lambda name: weight(me, name), reverse=True)
-    later.sort()
-    return Division(names=ours + [name for _, _, name in later], ours=len(ours),
-                    contested=not ours and bool(later) and later[0][0])
+            theirs.append((peer, name))
+    if ours:
+        ours.sort(reverse=True)
+        return Division(names=[name for _, name in ours], ours=len(ours), contested=False)
+    later = sorted((peer in active, -weight(me, name), name) for peer, name in theirs)  # inactive owners first
+    return Division(names=[name for _, _, name in later], ours=0, contested=bool(later) and later[0][0])
 
 
 # The spec's defaults as the API server writes them: a field equal to its default is not

@@ -541,14 +541,12 @@ class Agent:
             elif stop.wait(pause):
                 raise errors.NothingToClaim("stopped")
             candidates, division = self._look(view)
-        if division.ours:
-            # A race lost over one of ours means a peer sees other peers than we do: the next
-            # look offers our others, not the rest of the fleet's.
-            return candidates[:division.ours], 60.0
         if division.contested:
             # All that is left belongs to agents that are claiming: they take it themselves.
             # Look again shortly (no request), in case one of them stops.
             return [], _SPREAD_S
+        # Ours (a race lost over one of ours means a peer knows other peers than we do: the
+        # next look offers our others), or a thief's pick.
         return candidates, 60.0
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
