@@ -155,10 +155,12 @@ class CandidateIndex:
             priority = self._priorities[-1]
             band = self._bands[priority]
             found: list[tuple[str, str]] = []
+            seen: set[str] = set()  # a task discarded and added again may have two entries
             while band and len(found) < window:
                 entry = heapq.heappop(band)
-                if self._members.get(entry[1]) == (priority, entry[0]) and entry not in found:
+                if self._members.get(entry[1]) == (priority, entry[0]) and entry[1] not in seen:
                     found.append(entry)
+                    seen.add(entry[1])
             for entry in found:
                 heapq.heappush(band, entry)
             if found:
