@@ -6,10 +6,10 @@ import functools
 
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
-from tasklease.agent.discovery import CandidateIndex, divide, owner, weight
+from tasklease.agent.discovery import CandidateIndex, compact, divide, expand, owner, weight
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import Kube
-from tasklease.protocol import Protocol
+from tasklease.protocol import Protocol, TaskView
 
 
 def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
@@ -113,3 +113,18 @@ def test_a_held_leases_renewals_wake_no_idle_agent(kube: Kube) -> None:
     finally:
         holder.close()
         idle.close()
+
+
+def test_an_open_task_kept_compact_reads_back_the_same() -> None:
+    base = {"metadata": {"name": "t-1", "namespace": "ns", "uid": "u-1", "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "resourceVersion": "7", "managedFields": [{"manager": "kubectl"}]},
+            "spec": {"queue": "q", "payload": {}, "priority": 0, "maxAttempts": 3, "leaseDurationSeconds": 30,
+                     "backoff": {"policy": "Exponential", "initialSeconds": 5, "maxSeconds": 300}, "cancel": False}}
+    rich = {**base, "spec": {**base["spec"], "payload": {"a": [1, {"b": None}]}, "priority": 7, "maxAttempts": 1,
+                             "deadline": "2026-02-01T00:00:00Z", "cancel": True,
+                             "backoff": {"policy": "Exponential", "initialSeconds": 1, "maxSeconds": 300}},
+            "status": {"phase": "Pending", "attempt": 2, "result": "x" * 100}}
+    for task in (base, rich):
+        text = compact(task)
+        assert expand(text, name="t-1", namespace="ns") == TaskView.of(task)
+    assert len(compact(base)) < 120  # the defaults the API server filled in are not kept

@@ -93,7 +93,8 @@ def divide(me: str, names: list[str], owners: Callable[[str], tuple[float, str]]
 
 # The spec's defaults as the API server writes them: a field equal to its default is not
 # kept, as validating the rest gives it back.
-_SPEC_DEFAULTS: Final = models.TaskSpec.model_validate({"queue": "q"}).model_dump(mode="json", by_alias=True)
+_SPEC_DEFAULTS: Final = {k: v for k, v in models.TaskSpec.model_validate({"queue": "q"}).model_dump(
+    mode="json", by_alias=True).items() if k != "queue"}  # the queue has none
 
 
 def compact(task: JSON) -> bytes:
