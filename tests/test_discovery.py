@@ -6,7 +6,7 @@ import functools
 
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
-from tasklease.agent.discovery import CandidateIndex, compact, divide, expand, owner, weight
+from tasklease.agent.discovery import CandidateIndex, Owner, compact, divide, expand, owner, weight
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import Kube
 from tasklease.protocol import Protocol, TaskView
@@ -38,7 +38,7 @@ def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
     ours = [set(d.names) for d in divisions.values()]
     assert sum(len(o) for o in ours) == len(names) and set().union(*ours) == set(names)  # each task once
     assert all(ours)  # each agent has work of its own: nobody needs to steal
-    assert all(d.ours == len(d.names) and not d.contested for d in divisions.values())
+    assert all(d.ours == len(d.names) and d.owner is None for d in divisions.values())
     # The same division whatever order the names come in, and ours in our own weight order.
     again = divide(agents[0], list(reversed(names)), owners)
     assert again == divisions[agents[0]]
@@ -46,17 +46,24 @@ def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
     assert mine == sorted(mine, key=lambda n: weight(agents[0], n), reverse=True)
 
 
-def test_a_thief_takes_only_from_owners_that_are_not_claiming_and_thieves_spread() -> None:
-    names = [f"task-{i:02d}" for i in range(6)]
-    table = {"task-00": (0.9, "claiming"), "task-01": (0.8, "claiming"), "task-02": (0.5, "stuck")}
-    division = divide("me", names[:3], lambda n: table[n], active={"claiming"})
-    # The task of the owner that stopped claiming first; the claiming owner's are left to it.
-    assert division.ours == 0 and not division.contested and division.names[0] == "task-02"
-    left = divide("me", names[:2], lambda n: table[n], active={"claiming"})
-    assert left.contested and left.ours == 0
-    # Thieves with nothing of their own start from different tasks.
-    spread = {f"thief-{t}": divide(f"thief-{t}", names, lambda n: (1.0, "owner")) for t in range(8)}
-    assert len({d.names[0] for d in spread.values()}) >= 3
+def test_a_thief_takes_from_busy_owners_first_never_from_claiming_ones_deputies_first() -> None:
+    names = [f"task-{i:02d}" for i in range(4)]
+    table = {"task-00": (0.9, "claiming", "me"), "task-01": (0.8, "idle", "other"),
+             "task-02": (0.5, "busy", "other"), "task-03": (0.4, "busy", "me")}
+    division = divide("me", names, lambda n: table[n], claiming={"claiming"}, busy={"busy"})
+    # Long work keeps the busy owner away; the idle one takes its own at once if it is alive;
+    # among the busy owner's, the one we are the deputy for first.
+    assert division.ours == 0 and division.names == ["task-03", "task-02", "task-01", "task-00"]
+    assert division.owner is Owner.BUSY and division.deputy
+    idle = divide("me", names[:2], lambda n: table[n], claiming={"claiming"})
+    assert idle.owner is Owner.IDLE and not idle.deputy
+    assert divide("me", names[:1], lambda n: table[n], claiming={"claiming"}).owner is Owner.CLAIMING
+    # Everyone agrees on each task's owner and deputy, and the deputy is the next in line.
+    agents = [f"agent-{a}/x" for a in range(8)]
+    for name in names:
+        top, first, deputy = owner(agents, name)
+        assert owner(list(reversed(agents)), name) == (top, first, deputy)
+        assert owner([a for a in agents if a != first], name)[1] == deputy
 
 
 def test_strict_priority_holds_whoever_owns_what() -> None:

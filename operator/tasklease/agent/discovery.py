@@ -11,6 +11,7 @@ something becomes claimable or the earliest backoff runs out.
 from __future__ import annotations
 
 import bisect
+import enum
 import hashlib
 import heapq
 import json
@@ -53,9 +54,22 @@ def weight(holder: str, name: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def owner(peers: Iterable[str], name: str) -> tuple[float, str]:
-    """(weight, peer): the peer task `name` belongs to, the one that weighs it highest."""
-    return max((weight(peer, name), peer) for peer in peers)
+Ownership = tuple[float, str, str]  # (the owner's weight, the owner, its deputy or "")
+
+
+def owner(peers: Iterable[str], name: str) -> Ownership:
+    """Who task `name` belongs to among `peers`: the one that weighs it highest; and its
+    deputy, the next one, which is the first to take it from an owner that does not."""
+    ranked = sorted(((weight(peer, name), peer) for peer in peers), reverse=True)[:2]
+    return ranked[0][0], ranked[0][1], ranked[1][1] if len(ranked) > 1 else ""
+
+
+class Owner(enum.IntEnum):
+    """What the owner of another agent's task is doing, in the order a thief takes from it."""
+
+    BUSY = 0  # holds a lease it took more than `_ACTIVE` ago: long work, it will not take more soon
+    IDLE = 1  # holds nothing and has not claimed lately: it takes its task now, if it is alive
+    CLAIMING = 2  # claimed within `_ACTIVE`: it takes its tasks itself; leave them to it
 
 
 @dataclass(frozen=True)
@@ -63,32 +77,34 @@ class Division:
     """One look's candidates divided among the agents at work (rendezvous hashing): each
     task belongs to the agent that weighs it highest. Agents that know the same peers never
     race for a task while each has one of its own; a task is taken from its owner (stolen)
-    only by an agent that has none, and only from an owner that is not claiming."""
+    only by an agent that has none, and never from an owner that is claiming."""
 
     names: list[str]  # best first: ours in our weight order or, if none is ours, the others' (`divide`)
     ours: int  # how many are ours: all of `names`, or none
-    contested: bool  # none is ours, and the first belongs to an owner that is claiming: it takes it
+    owner: Owner | None  # when none is ours: what the owner of the first is doing
+    deputy: bool = False  # when none is ours: we are the first's deputy, the first thief in line
 
 
-def divide(me: str, names: list[str], owners: Callable[[str], tuple[float, str]],
-           active: Collection[str] = ()) -> Division:
+def divide(me: str, names: list[str], owners: Callable[[str], Ownership],
+           claiming: Collection[str] = (), busy: Collection[str] = ()) -> Division:
     """Divide `names` (one band's oldest) between `me` and the peers `owners` names. When
-    none is ours, the others' come in the order a thief should try them: first the ones
-    whose owner is not `active` (it has not claimed for a while: it is busy with long work,
-    stopped or dead), then by our weight, so that thieves too spread out."""
+    none is ours, the others' come in the order a thief should take them (`Owner`), ours
+    as deputy first, then by our weight, so that thieves too spread out."""
     ours: list[tuple[float, str]] = []  # (our weight, name): an owner's weight is the top one
-    theirs: list[tuple[str, str]] = []  # (owner, name)
+    later: list[tuple[Owner, bool, float, str]] = []  # (owner's state, not our deputyship, -our weight, name)
     for name in names:
-        top, peer = owners(name)
+        top, peer, deputy = owners(name)
         if peer == me:
             ours.append((top, name))
         else:
-            theirs.append((peer, name))
+            state = Owner.CLAIMING if peer in claiming else Owner.BUSY if peer in busy else Owner.IDLE
+            later.append((state, deputy != me, -weight(me, name), name))
     if ours:
         ours.sort(reverse=True)
-        return Division(names=[name for _, name in ours], ours=len(ours), contested=False)
-    later = sorted((peer in active, -weight(me, name), name) for peer, name in theirs)  # inactive owners first
-    return Division(names=[name for _, _, name in later], ours=0, contested=bool(later) and later[0][0])
+        return Division(names=[name for _, name in ours], ours=len(ours), owner=None)
+    later.sort()
+    return Division(names=[entry[3] for entry in later], ours=0, owner=later[0][0] if later else None,
+                    deputy=bool(later) and not later[0][1])
 
 
 # The spec's defaults as the API server writes them: a field equal to its default is not
@@ -197,7 +213,7 @@ class QueueView:
         # as peers: a lease duration after they were last seen holding a lease). Candidates are
         # divided among them.
         self._peers: dict[str, tuple[datetime, datetime]] = {}
-        self._owners: dict[str, tuple[float, str]] = {}  # name → its owner among `_owners_of`
+        self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
@@ -253,7 +269,7 @@ class QueueView:
             while True:
                 names = self._index.best(window)
                 if not names:
-                    return [], Division(names=[], ours=0, contested=False)
+                    return [], Division(names=[], ours=0, owner=None)
                 ready = []
                 for name in names:
                     task, rec = self._task(name), self._leases.get(name)
@@ -265,8 +281,8 @@ class QueueView:
                     peers = frozenset((*self._peers, holder))
                     if peers != self._owners_of or len(self._owners) > 4 * window:
                         self._owners, self._owners_of = {}, peers
-                    active = {p for p, (claimed, _) in self._peers.items() if now - claimed < _ACTIVE}
-                    division = divide(holder, ready, self._owner, active)
+                    claiming = {p for p, (claimed, _) in self._peers.items() if now - claimed < _ACTIVE}
+                    division = divide(holder, ready, self._owner, claiming, set(self._held.values()))
                     return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
 
     def claimable_count(self) -> int:
@@ -344,7 +360,7 @@ class QueueView:
                     self._histories.pop(name, None)
             self._judge(name, timestamps.now_utc())
 
-    def _owner(self, name: str) -> tuple[float, str]:
+    def _owner(self, name: str) -> Ownership:
         """Caller holds the lock. `owner` among the current peers, computed once per peer set."""
         found = self._owners.get(name)
         if found is None:

@@ -37,7 +37,7 @@ from tasklease.api import errors, models, timestamps
 from tasklease.protocol import record
 from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
-from tasklease.agent.discovery import Candidate, Division, QueueView, task_selector, weight
+from tasklease.agent.discovery import Candidate, Division, Owner, QueueView, task_selector, weight
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 
@@ -47,7 +47,7 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
-_SPREAD_S = 0.1  # how long a thief holds back at most (by its weight); how often it looks at contested tasks
+_SPREAD_S = 0.1  # how long a thief holds back (by its weight, once more for an idle owner); how often it looks again
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
@@ -532,16 +532,18 @@ class Agent:
     def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float]:
         """What to try now, and how long to wait before looking again if none of it is won."""
         candidates, division = self._look(view)
-        if candidates and not division.ours and not division.contested:
-            # Nothing of ours, but a task whose owner is not claiming: hold back by our weight
-            # for it, so that thieves go one after the other and each sees the last one's claim.
-            pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name))
+        if candidates and division.owner in (Owner.BUSY, Owner.IDLE):
+            # Nothing of ours. An idle owner, if alive, takes its task at once: give its claim
+            # time to reach us. Then its deputy goes first; the other thieves only after the
+            # deputy's claim could have reached them, by our weight, one after the other.
+            pause = _SPREAD_S * ((1 if division.owner is Owner.IDLE else 0) + (
+                0 if division.deputy else 2 - weight(self.identity.holder, candidates[0][0].name)))
             if stop is None:
                 time.sleep(pause)
             elif stop.wait(pause):
                 raise errors.NothingToClaim("stopped")
             candidates, division = self._look(view)
-        if division.contested:
+        if division.owner is Owner.CLAIMING:
             # All that is left belongs to agents that are claiming: they take it themselves.
             # Look again shortly (no request), in case one of them stops.
             return [], _SPREAD_S
