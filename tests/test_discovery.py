@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
-from tasklease.agent.discovery import CandidateIndex, rendezvous
+from tasklease.agent.discovery import CandidateIndex, Owner, compact, divide, expand, owner, weight
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import Kube
-from tasklease.protocol import Protocol
+from tasklease.protocol import Protocol, TaskView
 
 
 def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
@@ -28,11 +30,50 @@ def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
     assert index.best(3) == [] and len(index) == 0
 
 
-def test_agents_looking_at_the_same_band_prefer_different_tasks() -> None:
-    names = [f"task-{i:02d}" for i in range(32)]
-    first_choices = {rendezvous(f"agent-{a}/x", names)[0] for a in range(16)}
-    assert len(first_choices) >= 8  # a shuffle shared by all would give one
-    assert rendezvous("agent-0/x", names) == rendezvous("agent-0/x", list(reversed(names)))
+def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
+    names = [f"task-{i:03d}" for i in range(128)]
+    agents = [f"agent-{a}/x" for a in range(16)]
+    owners = functools.partial(owner, agents)
+    divisions = {a: divide(a, names, owners) for a in agents}
+    ours = [set(d.names) for d in divisions.values()]
+    assert sum(len(o) for o in ours) == len(names) and set().union(*ours) == set(names)  # each task once
+    assert all(ours)  # each agent has work of its own: nobody needs to steal
+    assert all(d.ours == len(d.names) and d.owner is None for d in divisions.values())
+    # The same division whatever order the names come in, and ours in our own weight order.
+    again = divide(agents[0], list(reversed(names)), owners)
+    assert again == divisions[agents[0]]
+    mine = again.names[:again.ours]
+    assert mine == sorted(mine, key=lambda n: weight(agents[0], n), reverse=True)
+
+
+def test_a_thief_takes_from_busy_owners_first_never_from_claiming_ones_deputies_first() -> None:
+    names = [f"task-{i:02d}" for i in range(4)]
+    table = {"task-00": (0.9, "claiming", "me"), "task-01": (0.8, "idle", "other"),
+             "task-02": (0.5, "busy", "other"), "task-03": (0.4, "busy", "me")}
+    division = divide("me", names, lambda n: table[n], claiming={"claiming"}, busy={"busy"})
+    # Long work keeps the busy owner away; the idle one takes its own at once if it is alive;
+    # among the busy owner's, the one we are the deputy for first.
+    assert division.ours == 0 and division.names == ["task-03", "task-02", "task-01", "task-00"]
+    assert division.owner is Owner.BUSY and division.deputy
+    idle = divide("me", names[:2], lambda n: table[n], claiming={"claiming"})
+    assert idle.owner is Owner.IDLE and not idle.deputy
+    assert divide("me", names[:1], lambda n: table[n], claiming={"claiming"}).owner is Owner.CLAIMING
+    # Everyone agrees on each task's owner and deputy, and the deputy is the next in line.
+    agents = [f"agent-{a}/x" for a in range(8)]
+    for name in names:
+        top, first, deputy = owner(agents, name)
+        assert owner(list(reversed(agents)), name) == (top, first, deputy)
+        assert owner([a for a in agents if a != first], name)[1] == deputy
+
+
+def test_strict_priority_holds_whoever_owns_what() -> None:
+    index = CandidateIndex()
+    for i in range(64):
+        index.add(f"low-{i:02d}", 0, f"2026-01-01T00:00:{i:02d}Z")
+    index.add("urgent", 1000, "2026-01-01T00:10:00Z")
+    agents = [f"agent-{a}/x" for a in range(16)]
+    # Whoever owns it, every agent is offered only the urgent task: a thief takes it, or its owner.
+    assert {tuple(divide(a, index.best(128), functools.partial(owner, agents)).names) for a in agents} == {("urgent",)}
 
 
 def test_a_claim_takes_the_highest_priority_task_every_time(kube: Kube) -> None:
@@ -45,7 +86,7 @@ def test_a_claim_takes_the_highest_priority_task_every_time(kube: Kube) -> None:
             make_task(kube, f"urgent-{round_}", queue="prio", priority=1000)
             # The urgent task must be in the agent's picture before the claim can be judged.
             wait_for(lambda round_=round_: any(t.name == f"urgent-{round_}"
-                                               for t, _ in view.choose("x", now_utc(), window=1)),
+                                               for t, _ in view.choose("x", now_utc(), window=1)[0]),
                      message="the urgent task in the agent's view")
             task = agent.claim("prio", timeout=30)
             assert task.name == f"urgent-{round_}"
@@ -79,3 +120,18 @@ def test_a_held_leases_renewals_wake_no_idle_agent(kube: Kube) -> None:
     finally:
         holder.close()
         idle.close()
+
+
+def test_an_open_task_kept_compact_reads_back_the_same() -> None:
+    base = {"metadata": {"name": "t-1", "namespace": "ns", "uid": "u-1", "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "resourceVersion": "7", "managedFields": [{"manager": "kubectl"}]},
+            "spec": {"queue": "q", "payload": {}, "priority": 0, "maxAttempts": 3, "leaseDurationSeconds": 30,
+                     "backoff": {"policy": "Exponential", "initialSeconds": 5, "maxSeconds": 300}, "cancel": False}}
+    rich = {**base, "spec": {**base["spec"], "payload": {"a": [1, {"b": None}]}, "priority": 7, "maxAttempts": 1,
+                             "deadline": "2026-02-01T00:00:00Z", "cancel": True,
+                             "backoff": {"policy": "Exponential", "initialSeconds": 1, "maxSeconds": 300}},
+            "status": {"phase": "Pending", "attempt": 2, "result": "x" * 100}}
+    for task in (base, rich):
+        text = compact(task)
+        assert expand(text, name="t-1", namespace="ns") == TaskView.of(task)
+    assert len(compact(base)) < 120  # the defaults the API server filled in are not kept

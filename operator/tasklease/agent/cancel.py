@@ -2,8 +2,10 @@
 
 Without this the holder learns it at its next renewal (a third of the lease duration).
 One watch per (API client, namespace, queue) serves every task an agent process holds in
-that queue: a claim registers its task, the end of the attempt unregisters it, and the
-watch stops with the last registration. No polling: the API server pushes the change.
+that queue: a claim registers its task, the end of the attempt unregisters it. While the
+agent watches the queue to claim from it (`share`), that same Task watch serves; otherwise
+the follower starts its own, which stops with the last registration. No polling: the API
+server pushes the change.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from tasklease.api import errors
 from tasklease.kube import JSON, TASKS, Kube
-from tasklease.kube.watching import Reflector
+from tasklease.kube.watching import Listener, Reflector
 from tasklease.agent.discovery import task_selector
 
 log = logging.getLogger(__name__)
@@ -32,20 +34,26 @@ _lock = threading.Lock()
 
 
 class _QueueFollower:
-    def __init__(self, kube: Kube, key: Key) -> None:
+    def __init__(self, kube: Kube, key: Key, reflector: Reflector | None = None) -> None:
         self.key = key
         self.kube = kube
         self.watchers: dict[str, tuple[str, OnCancel]] = {}  # name → (uid, callback)
         self.ended: OrderedDict[str, str] = OrderedDict()  # uid → why, newest last
         # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
         # Only identities are kept: the events carry what a cancel needs.
-        self.reflector = Reflector(kube, TASKS, namespace=key[1], field_selector=task_selector(key[2]),
-                                   listener=self._seen, watch_timeout_s=_WATCH_TIMEOUT_S, keep_objects=False)
+        self.reflector = reflector or Reflector(
+            kube, TASKS, namespace=key[1], field_selector=task_selector(key[2]), listener=self.seen,
+            watch_timeout_s=_WATCH_TIMEOUT_S, keep_objects=False)
 
-    def _seen(self, kind: str, obj: JSON) -> None:
+    def seen(self, kind: str, obj: JSON) -> None:
         meta: dict[str, Any] = obj["metadata"]
         if kind == "DELETED":
-            self.verify(meta["name"], meta["uid"])
+            with _lock:
+                followed = meta["name"] in self.watchers
+            # Every task of the queue leaves the watch when it finishes: only one we hold is
+            # worth a request. One registering later is checked by `_verify_if_absent`.
+            if followed:
+                self.verify(meta["name"], meta["uid"])
         elif (obj.get("spec") or {}).get("cancel"):
             self._end(meta["name"], meta["uid"], f"task {meta['namespace']}/{meta['name']} was cancelled")
 
@@ -78,7 +86,8 @@ class _QueueFollower:
         callback(why)
 
 
-_followers: dict[Key, _QueueFollower] = {}
+_followers: dict[Key, _QueueFollower] = {}  # with a watch of their own
+_shared: dict[Key, _QueueFollower] = {}  # served by an agent's QueueView
 
 
 class Following:
@@ -89,28 +98,51 @@ class Following:
 
     def close(self) -> None:
         with _lock:
-            follower = _followers.get(self._key)
-            if follower is None or follower.watchers.get(self._name, ("",))[0] != self._uid:
+            for registry in (_shared, _followers):
+                follower = registry.get(self._key)
+                if follower is None or follower.watchers.get(self._name, ("",))[0] != self._uid:
+                    continue
+                del follower.watchers[self._name]
+                if registry is _followers and not follower.watchers:  # the last one: stop watching
+                    del _followers[self._key]
+                    follower.reflector.stop()
                 return
-            del follower.watchers[self._name]
-            if not follower.watchers:  # the last one: stop watching this queue
-                del _followers[self._key]
-                follower.reflector.stop()
+
+
+def share(kube: Kube, *, namespace: str, queue: str, tasks: Reflector,
+          listeners: list[Listener]) -> Callable[[], None]:
+    """Follow the claims of `queue` from `tasks`, an agent's running watch of the queue's open
+    Tasks (the same selector), instead of opening one more per claim. `listeners` are the ones
+    that watch calls. Returns the call to make before that watch stops: tasks still held
+    then go to a follower with a watch of its own."""
+    key = (id(kube), namespace, queue)
+    follower = _QueueFollower(kube, key, reflector=tasks)
+    listeners.append(follower.seen)
+    with _lock:
+        _shared[key] = follower
+
+    def unshare() -> None:
+        with _lock:
+            if _shared.get(key) is follower:
+                del _shared[key]
+            left = dict(follower.watchers)
+            follower.watchers.clear()
+        for name, (uid, callback) in left.items():
+            follow(kube, namespace=namespace, queue=queue, name=name, uid=uid, on_cancel=callback)
+    return unshare
 
 
 def follow(kube: Kube, *, namespace: str, queue: str, name: str, uid: str, on_cancel: OnCancel) -> Following:
     """Call `on_cancel(why)` once if Task `namespace/name` (this `uid`) is cancelled or deleted."""
     key = (id(kube), namespace, queue)
     with _lock:
-        follower = _followers.get(key)
+        follower = _shared.get(key) or _followers.get(key)
         fresh = follower is None
         if follower is None:
             follower = _followers[key] = _QueueFollower(kube, key)
         why = follower.ended.get(uid)
         if why is None:
             follower.watchers[name] = (uid, on_cancel)
-        elif not follower.watchers:
-            del _followers[key]
     if why is not None:
         on_cancel(why)
         return Following(key, name, uid)

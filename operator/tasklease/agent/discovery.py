@@ -11,22 +11,30 @@ something becomes claimable or the earliest backoff runs out.
 from __future__ import annotations
 
 import bisect
+import enum
 import hashlib
 import heapq
 import json
+import sys
 import threading
 import time
-from dataclasses import replace
-from datetime import datetime
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import Final
 
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
-from tasklease.kube.watching import Reflector
+from tasklease.kube.watching import Listener, Reflector
 from tasklease.protocol import LeaseRecord, TaskView, record
 from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]
 _SPREAD_PER_HOLDER = 8
+# A peer that claimed this recently is at it: the tasks it owns are left to it.
+_ACTIVE = timedelta(seconds=1)
+_DECODED = 1024  # task views kept decoded (the most recently used)
 
 
 def task_selector(queue: str) -> str:
@@ -46,10 +54,79 @@ def weight(holder: str, name: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def rendezvous(holder: str, names: list[str]) -> list[str]:
-    """`names` in `holder`'s own order (highest weight first): agents looking at the same
-    candidates prefer different ones, so they rarely race for the same task."""
-    return sorted(names, key=lambda name: weight(holder, name), reverse=True)
+Ownership = tuple[float, str, str]  # (the owner's weight, the owner, its deputy or "")
+
+
+def owner(peers: Iterable[str], name: str) -> Ownership:
+    """Who task `name` belongs to among `peers`: the one that weighs it highest; and its
+    deputy, the next one, which is the first to take it from an owner that does not."""
+    ranked = sorted(((weight(peer, name), peer) for peer in peers), reverse=True)[:2]
+    return ranked[0][0], ranked[0][1], ranked[1][1] if len(ranked) > 1 else ""
+
+
+class Owner(enum.IntEnum):
+    """What the owner of another agent's task is doing, in the order a thief takes from it."""
+
+    BUSY = 0  # holds a lease it took more than `_ACTIVE` ago: long work, it will not take more soon
+    IDLE = 1  # holds nothing and has not claimed lately: it takes its task now, if it is alive
+    CLAIMING = 2  # claimed within `_ACTIVE`: it takes its tasks itself; leave them to it
+
+
+@dataclass(frozen=True)
+class Division:
+    """One look's candidates divided among the agents at work (rendezvous hashing): each
+    task belongs to the agent that weighs it highest. Agents that know the same peers never
+    race for a task while each has one of its own; a task is taken from its owner (stolen)
+    only by an agent that has none, and never from an owner that is claiming."""
+
+    names: list[str]  # best first: ours in our weight order or, if none is ours, the others' (`divide`)
+    ours: int  # how many are ours: all of `names`, or none
+    owner: Owner | None  # when none is ours: what the owner of the first is doing
+    deputy: bool = False  # when none is ours: we are the first's deputy, the first thief in line
+
+
+def divide(me: str, names: list[str], owners: Callable[[str], Ownership],
+           claiming: Collection[str] = (), busy: Collection[str] = ()) -> Division:
+    """Divide `names` (one band's oldest) between `me` and the peers `owners` names. When
+    none is ours, the others' come in the order a thief should take them (`Owner`), ours
+    as deputy first, then by our weight, so that thieves too spread out."""
+    ours: list[tuple[float, str]] = []  # (our weight, name): an owner's weight is the top one
+    later: list[tuple[Owner, bool, float, str]] = []  # (owner's state, not our deputyship, -our weight, name)
+    for name in names:
+        top, peer, deputy = owners(name)
+        if peer == me:
+            ours.append((top, name))
+        else:
+            state = Owner.CLAIMING if peer in claiming else Owner.BUSY if peer in busy else Owner.IDLE
+            later.append((state, deputy != me, -weight(me, name), name))
+    if ours:
+        ours.sort(reverse=True)
+        return Division(names=[name for _, name in ours], ours=len(ours), owner=None)
+    later.sort()
+    return Division(names=[entry[3] for entry in later], ours=0, owner=later[0][0] if later else None,
+                    deputy=bool(later) and not later[0][1])
+
+
+# The spec's defaults as the API server writes them: a field equal to its default is not
+# kept, as validating the rest gives it back.
+_SPEC_DEFAULTS: Final = {k: v for k, v in models.TaskSpec.model_validate({"queue": "q"}).model_dump(
+    mode="json", by_alias=True).items() if k != "queue"}  # the queue has none
+
+
+def compact(task: JSON) -> bytes:
+    """What `TaskView.of` reads from a Task but its name and namespace (`expand` puts them
+    back), without the spec's defaults, as compact JSON."""
+    meta, status = task["metadata"], task.get("status") or {}
+    slim = {"metadata": {k: meta[k] for k in ("uid", "creationTimestamp") if k in meta},
+            "spec": {k: v for k, v in (task.get("spec") or {}).items() if _SPEC_DEFAULTS.get(k, ...) != v},
+            "status": {k: status[k] for k in ("attempt", "phase") if k in status}}
+    return json.dumps(slim, separators=(",", ":")).encode()
+
+
+def expand(text: bytes, *, name: str, namespace: str) -> TaskView:
+    task = json.loads(text)
+    task["metadata"].update(name=name, namespace=namespace)
+    return TaskView.of(task)
 
 
 class CandidateIndex:
@@ -75,6 +152,7 @@ class CandidateIndex:
         before = self._members.get(name)
         if before == (priority, created):
             return False
+        created = sys.intern(created)  # tasks created in the same second share it
         self._members[name] = (priority, created)
         band = self._bands.get(priority)
         if band is None:
@@ -94,10 +172,12 @@ class CandidateIndex:
             priority = self._priorities[-1]
             band = self._bands[priority]
             found: list[tuple[str, str]] = []
+            seen: set[str] = set()  # a task discarded and added again may have two entries
             while band and len(found) < window:
                 entry = heapq.heappop(band)
-                if self._members.get(entry[1]) == (priority, entry[0]) and entry not in found:
+                if self._members.get(entry[1]) == (priority, entry[0]) and entry[1] not in seen:
                     found.append(entry)
+                    seen.add(entry[1])
             for entry in found:
                 heapq.heappush(band, entry)
             if found:
@@ -117,16 +197,28 @@ class QueueView:
 
     def __init__(self, kube: Kube, *, namespace: str, queue: str) -> None:
         self.queue = queue
-        self._tasks: dict[str, TaskView] = {}
+        self._namespace = namespace
+        # Every open task as compact JSON (what `TaskView.of` reads, nothing else): a few hundred
+        # bytes where a TaskView takes about two kilobytes. Views are decoded again on demand and
+        # the recent ones kept: the window's candidates are looked at again and again.
+        self._tasks: dict[str, bytes] = {}
+        self._decoded: OrderedDict[str, TaskView] = OrderedDict()
         self._leases: dict[str, LeaseRecord] = {}  # without their history: see _on_lease
         self._histories: dict[str, str] = {}  # name → the Lease's history annotation, as sent
         self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
         self._index = CandidateIndex()
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
-        self._held: set[str] = set()  # open tasks whose Lease is held: about how many agents are at work
+        self._held: dict[str, str] = {}  # open tasks whose Lease is held → holder: the agents at work
+        # Holders seen at work in this queue → (when last seen claiming, until when they count
+        # as peers: a lease duration after they were last seen holding a lease). Candidates are
+        # divided among them.
+        self._peers: dict[str, tuple[datetime, datetime]] = {}
+        self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
+        self._owners_of: frozenset[str] = frozenset()
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
+        self.task_listeners: list[Listener] = []  # also told of every Task event, after the view
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
                       listener=self._on_task, keep_objects=False),
@@ -157,39 +249,45 @@ class QueueView:
         for r in self._reflectors:
             r.stop()
 
-    def choose(self, holder: str, now: datetime, *, window: int) -> list[Candidate]:
-        """What `holder` should try now, best first: the oldest claimable tasks of the highest
-        priority band, in `holder`'s rendezvous order. Empty when nothing is claimable.
+    @property
+    def task_watch(self) -> Reflector:
+        """The watch of the queue's open Tasks (identities only in its store)."""
+        return self._reflectors[0]
 
-        How many of the oldest: `window`, or more with many agents at work. A task another
-        agent has just claimed still looks claimable here until its Lease arrives; the more
-        agents claim meanwhile, the wider the window must be for such a task to be rarely
-        our favourite (`_SPREAD_PER_HOLDER` per lease held in the queue)."""
+    def choose(self, holder: str, now: datetime, *, window: int,
+               limit: int | None = None) -> tuple[list[Candidate], Division]:
+        """What `holder` should try now, best first (at most `limit`), and how they divide:
+        the oldest claimable tasks of the highest priority band, `holder`'s own first (see
+        `divide`). Empty when nothing is claimable.
+
+        How many of the oldest: `window`, or more with many agents at work, so that every
+        agent at work owns some of them (`_SPREAD_PER_HOLDER` per lease held in the queue)."""
         with self._changed:
             self._release_due(now)
+            self._expire_peers(now)
             window = max(window, _SPREAD_PER_HOLDER * len(self._held))
             while True:
                 names = self._index.best(window)
                 if not names:
-                    return []
+                    return [], Division(names=[], ours=0, owner=None)
                 ready = []
                 for name in names:
-                    task, rec = self._tasks[name], self._leases.get(name)
-                    if blocker(task, rec, now) is None:
+                    task, rec = self._task(name), self._leases.get(name)
+                    if task is not None and blocker(task, rec, now) is None:
                         ready.append(name)
                     else:
                         self._judge(name, now)  # its deadline passed since it was indexed
                 if ready:
-                    return [(self._tasks[n], self._with_history(n)) for n in rendezvous(holder, ready)]
+                    peers = frozenset((*self._peers, holder))
+                    if peers != self._owners_of or len(self._owners) > 4 * window:
+                        self._owners, self._owners_of = {}, peers
+                    claiming = {p for p, (claimed, _) in self._peers.items() if now - claimed < _ACTIVE}
+                    division = divide(holder, ready, self._owner, claiming, set(self._held.values()))
+                    return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
 
     def claimable_count(self) -> int:
         with self._changed:
             return len(self._index)
-
-    def held_count(self) -> int:
-        """Open tasks whose Lease is held: about how many agents are at work in this queue."""
-        with self._changed:
-            return len(self._held)
 
     def next_not_before(self) -> datetime | None:
         """The earliest backoff or delayed start still running among open tasks: when to look
@@ -217,16 +315,21 @@ class QueueView:
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]
         view = None if kind == "DELETED" else TaskView.of(obj)
+        text = b"" if view is None else compact(obj)
         with self._changed:
             if view is None:
                 # Finished (it left the phase selector) or deleted: its Lease no longer matters.
                 self._tasks.pop(name, None)
+                self._decoded.pop(name, None)
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
                 self._lost.pop(name, None)
             else:
-                self._tasks[name] = view
+                self._tasks[name] = text
+                self._remember(name, view)
             self._judge(name, timestamps.now_utc())
+        for listener in self.task_listeners:
+            listener(kind, obj)
 
     def _on_lease(self, kind: str, obj: JSON) -> None:
         meta = obj["metadata"]
@@ -248,12 +351,60 @@ class QueueView:
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
             else:
+                if rec.state == record.HELD:
+                    self._seen_at_work(rec, self._leases.get(name))
                 self._leases[name] = rec
                 if history and rec.state != record.CLOSED:
                     self._histories[name] = history
                 else:
                     self._histories.pop(name, None)
             self._judge(name, timestamps.now_utc())
+
+    def _owner(self, name: str) -> Ownership:
+        """Caller holds the lock. `owner` among the current peers, computed once per peer set."""
+        found = self._owners.get(name)
+        if found is None:
+            found = self._owners[name] = owner(self._owners_of, name)
+        return found
+
+    def _seen_at_work(self, rec: LeaseRecord, before: LeaseRecord | None) -> None:
+        """Caller holds the lock. `rec.holder` holds a lease of this queue: a peer."""
+        now = timestamps.now_utc()
+        claimed, until = self._peers.get(rec.holder, (now, now))
+        if before is None or before.epoch != rec.epoch:  # a claim, not a renewal
+            claimed = now
+        self._peers[rec.holder] = (claimed, max(until, now + timedelta(seconds=rec.duration_s)))
+
+    def _expire_peers(self, now: datetime) -> None:
+        """Caller holds the lock."""
+        for peer in [p for p, (_, until) in self._peers.items() if until <= now]:
+            del self._peers[peer]
+
+    def _task(self, name: str) -> TaskView | None:
+        """Caller holds the lock."""
+        view = self._decoded.get(name)
+        if view is not None:
+            self._decoded.move_to_end(name)
+            return view
+        text = self._tasks.get(name)
+        if text is None:
+            return None
+        view = expand(text, name=name, namespace=self._namespace)
+        self._remember(name, view)
+        return view
+
+    def _view(self, name: str) -> TaskView:
+        """Caller holds the lock. The view of a task known to be open."""
+        view = self._task(name)
+        assert view is not None
+        return view
+
+    def _remember(self, name: str, view: TaskView) -> None:
+        """Caller holds the lock."""
+        self._decoded[name] = view
+        self._decoded.move_to_end(name)
+        if len(self._decoded) > _DECODED:
+            self._decoded.popitem(last=False)
 
     def _with_history(self, name: str) -> LeaseRecord | None:
         """Caller holds the lock. The Lease of candidate `name`, whole again for the claim's write."""
@@ -265,12 +416,12 @@ class QueueView:
 
     def _judge(self, name: str, now: datetime) -> None:
         """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable."""
-        task = self._tasks.get(name)
+        task = self._task(name)
         rec = self._leases.get(name)
         if task is not None and rec is not None and rec.state == record.HELD:
-            self._held.add(name)
+            self._held[name] = rec.holder
         else:
-            self._held.discard(name)
+            self._held.pop(name, None)
         if task is None:
             self._index.discard(name)
             return
@@ -301,7 +452,7 @@ class QueueView:
 
     def _waiting(self, until: datetime, name: str) -> bool:
         """Caller holds the lock. Is `name` still backing off, or scheduled, until `until`?"""
-        task, rec = self._tasks.get(name), self._leases.get(name)
+        task, rec = self._task(name), self._leases.get(name)
         if task is None:
             return False
         return task.spec.not_before == until or (

@@ -35,9 +35,9 @@ from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.protocol import record
-from tasklease.agent.cancel import Following
+from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
-from tasklease.agent.discovery import Candidate, QueueView, task_selector, weight
+from tasklease.agent.discovery import Candidate, Division, Owner, QueueView, task_selector, weight
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 
@@ -47,12 +47,12 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
-_SPREAD_S = 0.1  # the longest an agent facing a crowd holds back (by its weight)
+_SPREAD_S = 0.1  # how long a thief holds back (by its weight, once more for an idle owner); how often it looks again
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
 _FINISH_TRIES = 3
-_CLI_PAGE = 50  # Tasks per page read by the one-shot claim
+_CLI_PAGE = 20  # Tasks per page read by the one-shot claim: a page of 50 took a third of a GET+PUT longer
 _DEFAULT_PRIORITY = int(models.TaskSpec.model_fields["priority"].default)
 
 
@@ -390,6 +390,7 @@ class Agent:
         self.protocol = Protocol(kube)
         self.best_of = best_of
         self._views: dict[str, QueueView] = {}
+        self._unshare: list[Callable[[], None]] = []
         self._views_lock = threading.Lock()
 
     @classmethod
@@ -423,28 +424,15 @@ class Agent:
         view = self.watch(queue)
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
-        woken = False
         while True:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
-            if candidates and (woken or len(candidates) <= view.held_count()):
-                # Woken with the rest of an idle fleet (say, by one new task), or fewer
-                # candidates than agents at work: hold back by our weight for the best one, so
-                # that the fleet's favourite tries first and the others see it held instead of
-                # racing it. With a backlog (more candidates than agents) nobody waits here.
-                pause = _SPREAD_S * (1 - weight(self.identity.holder, candidates[0][0].name))
-                if stop is None:
-                    time.sleep(pause)
-                elif stop.wait(pause):
-                    raise errors.NothingToClaim("stopped")
-                candidates = view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of)
-            woken = False
+            candidates, recheck = self._pick(view, stop)
             claimed, lost = self._try(view, candidates, interrupt=interrupt)
             if claimed is not None:
                 return claimed
-            wait = 60.0
+            wait = recheck
             if lost:
                 rounds_lost += 1
                 if rounds_lost < _LOST_ROUNDS and view.claimable_count():
@@ -462,7 +450,6 @@ class Agent:
             if stop is not None:
                 wait = min(wait, _STOP_CHECK_S)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
-            woken = True
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
         """One look, no watch, for the stateless CLI: the queue's open Tasks are read a page at a
@@ -522,9 +509,12 @@ class Agent:
 
     def close(self) -> None:
         with self._views_lock:
+            for unshare in self._unshare:
+                unshare()
             for view in self._views.values():
                 view.stop()
             self._views.clear()
+            self._unshare.clear()
 
     def watch(self, queue: str) -> QueueView:
         """Start watching `queue` now (claim does it on first use); idempotent."""
@@ -534,7 +524,35 @@ class Agent:
                 view = QueueView(self.kube, namespace=self.namespace, queue=queue)
                 view.start()
                 self._views[queue] = view
+                # Our claims in this queue hear of a cancel from this watch, not one more each.
+                self._unshare.append(share(self.kube, namespace=self.namespace, queue=queue,
+                                           tasks=view.task_watch, listeners=view.task_listeners))
             return view
+
+    def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float]:
+        """What to try now, and how long to wait before looking again if none of it is won."""
+        candidates, division = self._look(view)
+        if candidates and division.owner in (Owner.BUSY, Owner.IDLE):
+            # Nothing of ours. An idle owner, if alive, takes its task at once: give its claim
+            # time to reach us. Then its deputy goes first; the other thieves only after the
+            # deputy's claim could have reached them, by our weight, one after the other.
+            pause = _SPREAD_S * ((1 if division.owner is Owner.IDLE else 0) + (
+                0 if division.deputy else 2 - weight(self.identity.holder, candidates[0][0].name)))
+            if stop is None:
+                time.sleep(pause)
+            elif stop.wait(pause):
+                raise errors.NothingToClaim("stopped")
+            candidates, division = self._look(view)
+        if division.owner is Owner.CLAIMING:
+            # All that is left belongs to agents that are claiming: they take it themselves.
+            # Look again shortly (no request), in case one of them stops.
+            return [], _SPREAD_S
+        # Ours (a race lost over one of ours means a peer knows other peers than we do: the
+        # next look offers our others), or a thief's pick.
+        return candidates, 60.0
+
+    def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
+        return view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of, limit=_TRIES_PER_LOOK)
 
     def _try(self, view: QueueView, candidates: list[Candidate], *,
              interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:

@@ -352,10 +352,22 @@ def _worker(args: argparse.Namespace) -> Results:
                 return held
             agent.protocol.claim = timed_claim  # type: ignore[method-assign]
             agent.protocol.complete = timed_complete  # type: ignore[method-assign]
+            cpu = _cpu_s()
             done = agent.work("bench", lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
+            report = {"cpu_s": _cpu_s() - cpu}
         agent.close()
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = _peak_rss_mb()
     return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "rss_mb": rss_mb, **report}
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory. Not `ru_maxrss`: Linux carries it over an exec
+    from the forking process, so a worker would report the bench's own size (the bench
+    holds what it created: 100,000 tasks' worth)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
 
 
 def _cpu_s() -> float:
