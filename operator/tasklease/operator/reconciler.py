@@ -20,12 +20,14 @@ do not write until they lead.
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -55,6 +57,21 @@ _SEED_TIMEOUT_S = 3.0
 _KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp")
 
 
+@dataclass(slots=True)
+class _Task:
+    """What the reconciler keeps of one Task between events: the two fields read without
+    reconciling it, and the slim Task (`_slim`) as compact JSON, decoded only to reconcile it.
+    As nested dicts the same Task costs several times as much memory, at every queue depth."""
+
+    queue: str
+    created: str  # metadata.creationTimestamp
+    body: str
+
+    def json(self) -> JSON:
+        task: JSON = json.loads(self.body)
+        return task
+
+
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
@@ -74,7 +91,7 @@ class Reconciler:
         # Set once every Task that existed when we started leading has been reconciled once.
         self.caught_up = threading.Event()
         self._backlog: set[Key] | None = None  # None: not counted yet
-        self._tasks: dict[Key, JSON] = {}
+        self._tasks: dict[Key, _Task] = {}
         self._leases: dict[Key, LeaseRecord] = {}
         self._pods_gone: dict[Key, float] = {}  # pod → when (monotonic) we saw it deleted or terminated
         self._retries: dict[Key, Backoff] = {}
@@ -115,7 +132,7 @@ class Reconciler:
                 task = self._tasks.get(key)
                 if phase != Phase.PENDING.value or task is None:
                     continue
-                created = timestamps.parse_time(task["metadata"].get("creationTimestamp")) or now
+                created = timestamps.parse_time(task.created) or now
                 where = (key[0], queue)
                 oldest[where] = max(oldest.get(where, 0.0), (now - created).total_seconds())
         return [(ns, queue, age) for (ns, queue), age in sorted(oldest.items())]
@@ -338,18 +355,18 @@ class Reconciler:
 
     def reconcile(self, key: Key) -> None:
         with self._cond:
-            task, rec = self._tasks.get(key), self._leases.get(key)
-        if task is None or (rec is not None and rec.owner_uid != task["metadata"]["uid"]):
-            if rec is not None:
-                if self.protocol.remove_orphan(rec):
-                    log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
-            if task is None:
-                return
+            entry, rec = self._tasks.get(key), self._leases.get(key)
+        task = entry.json() if entry is not None else None
+        if rec is not None and (task is None or rec.owner_uid != task["metadata"]["uid"]):
+            if self.protocol.remove_orphan(rec):
+                log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
+        if entry is None or task is None:
+            return
         if rec is None and _claimed_before(task):
             rec = self._find_unlabelled(task)
         view = TaskView.of(task)
         rec = self._act(view, rec)
-        self._project(key, task, rec)
+        self._project(key, entry, task, rec)
         if self._clean_up(key, view, rec):
             return
         self._schedule(key, view, rec)
@@ -400,11 +417,12 @@ class Reconciler:
                  rec.holder, cause, silent)
         return self._remember(rec, written)
 
-    def _project(self, key: Key, task: JSON, rec: LeaseRecord | None) -> None:
-        """Step 3: write the status if it changed, then tell people what happened."""
+    def _project(self, key: Key, entry: _Task, task: JSON, rec: LeaseRecord | None) -> None:
+        """Step 3: write the status if it changed, then tell people what happened. `entry` is
+        what `task` was decoded from: our write replaces it only if no event replaced it first."""
         old = models.TaskStatus.model_validate(task.get("status") or {})
         new = projection.project(task, rec, old=old, now=self.clock())
-        queue = task["spec"]["queue"]
+        queue = entry.queue
         with self._cond:
             self._set_phase(key, (queue, new.phase.value))
         if task.get("status") and projection.same(old, new):
@@ -418,7 +436,7 @@ class Reconciler:
         except errors.NotFound:
             # Gone while we looked (a relist may not report it as deleted): forget it.
             with self._cond:
-                if self._tasks.get(key) is task:
+                if self._tasks.get(key) is entry:
                     self._tasks.pop(key)
                     self._set_phase(key, None)
             return
@@ -426,7 +444,7 @@ class Reconciler:
         with self._cond:
             # Keep our write only if the watch has not brought anything newer meanwhile
             # (a cancel made right after our write must not be hidden by it).
-            if self._tasks.get(key) is task:
+            if self._tasks.get(key) is entry:
                 self._tasks[key] = _slim(written)
         _observe_attempts(key[0], queue, written, old, new)
         for t in projection.transitions(old, new):
@@ -470,9 +488,10 @@ class Reconciler:
         or our orphan removal when the deletion comes back through the watch). True when
         deleted. Conditional on the Task as we know it: a Task changed meanwhile is kept."""
         with self._cond:
-            task = self._tasks.get(key)
-        if task is None:
+            entry = self._tasks.get(key)
+        if entry is None:
             return False
+        task = entry.json()
         status = models.TaskStatus.model_validate(task.get("status") or {})
         at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
         if at is None or at > self.clock():
@@ -493,8 +512,8 @@ class Reconciler:
         wakes: list[float] = []
         now, mono = self.clock(), self.monotonic()
         with self._cond:
-            task = self._tasks.get(key)
-        status = models.TaskStatus.model_validate((task or {}).get("status") or {})
+            entry = self._tasks.get(key)
+        status = models.TaskStatus.model_validate((entry.json() if entry else {}).get("status") or {})
         # A delayed start ends: project it (the Task event wakes waiting agents); a TTL runs out.
         for when in (view.spec.not_before if rec is None or rec.state != record.CLOSED else None,
                      cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)):
@@ -547,12 +566,18 @@ def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskSt
         previous_end = a.ended_at or previous_end
 
 
-def _slim(task: JSON) -> JSON:
-    """What the reconciler keeps of a Task: enough to decide and to write its status."""
+def _slim(task: JSON) -> _Task:
+    """What the reconciler keeps of a Task: enough to decide and to write its status. The
+    payload is left out (the status subresource takes the spec from the stored Task): only
+    whether it is too deep matters here, and a payload too deep is kept to say so."""
     meta = task["metadata"]
-    return {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
-            "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta},
-            "spec": task.get("spec", {}), "status": task.get("status")}
+    spec: JSON = task.get("spec") or {}
+    if models.payload_depth(spec.get("payload")) <= models.MAX_PAYLOAD_DEPTH:
+        spec = {k: v for k, v in spec.items() if k != "payload"}
+    body = {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
+            "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta}, "spec": spec, "status": task.get("status")}
+    return _Task(queue=sys.intern(str(spec.get("queue", ""))), created=str(meta.get("creationTimestamp", "")),
+                 body=json.dumps(body, separators=(",", ":")))
 
 
 def _claimed_before(task: JSON) -> bool:
@@ -562,4 +587,4 @@ def _claimed_before(task: JSON) -> bool:
 
 def _key(obj: JSON) -> Key:
     meta: dict[str, Any] = obj["metadata"]
-    return (meta["namespace"], meta["name"])
+    return (sys.intern(meta["namespace"]), meta["name"])  # one namespace string for all its keys
