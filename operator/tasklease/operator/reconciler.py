@@ -20,20 +20,20 @@ do not write until they lead.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, metrics, projection
+from tasklease.operator.slim import SlimTask, slim
 from tasklease.protocol import record
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
@@ -52,26 +52,6 @@ _RETRY_CAP_S = 30.0
 _POD_MEMORY_S = 2 * 3600.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
-# What a decision or a status write needs of a Task's metadata; the rest (managedFields,
-# annotations) stays with the API server.
-_KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp")
-
-
-@dataclass(slots=True)
-class _Task:
-    """What the reconciler keeps of one Task between events: the two fields read without
-    reconciling it, and the slim Task (`_slim`) as compact JSON, decoded only to reconcile it.
-    As nested dicts the same Task costs several times as much memory, at every queue depth."""
-
-    queue: str
-    created: str  # metadata.creationTimestamp
-    body: str
-
-    def json(self) -> JSON:
-        task: JSON = json.loads(self.body)
-        return task
-
-
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
@@ -91,7 +71,7 @@ class Reconciler:
         # Set once every Task that existed when we started leading has been reconciled once.
         self.caught_up = threading.Event()
         self._backlog: set[Key] | None = None  # None: not counted yet
-        self._tasks: dict[Key, _Task] = {}
+        self._tasks: dict[Key, SlimTask] = {}
         self._leases: dict[Key, LeaseRecord] = {}
         self._pods_gone: dict[Key, float] = {}  # pod → when (monotonic) we saw it deleted or terminated
         self._retries: dict[Key, Backoff] = {}
@@ -116,7 +96,7 @@ class Reconciler:
                 self._tasks.pop(key, None)
                 self._set_phase(key, None)
             else:
-                self._tasks[key] = _slim(obj)
+                self._tasks[key] = slim(obj)
                 where = (key[0], str((obj.get("spec") or {}).get("queue", "")))
                 if where not in self._queues:
                     self._queues.add(where)
@@ -221,7 +201,7 @@ class Reconciler:
                             for obj in page.get("items", []):
                                 key = _key(obj)
                                 backlog.add(key)
-                                self._tasks.setdefault(key, _slim(obj))  # the watch may be ahead
+                                self._tasks.setdefault(key, slim(obj))  # the watch may be ahead
                                 self._enqueue(key)
                 break
             except errors.TaskleaseError as exc:
@@ -417,7 +397,7 @@ class Reconciler:
                  rec.holder, cause, silent)
         return self._remember(rec, written)
 
-    def _project(self, key: Key, entry: _Task, task: JSON, rec: LeaseRecord | None) -> None:
+    def _project(self, key: Key, entry: SlimTask, task: JSON, rec: LeaseRecord | None) -> None:
         """Step 3: write the status if it changed, then tell people what happened. `entry` is
         what `task` was decoded from: our write replaces it only if no event replaced it first."""
         old = models.TaskStatus.model_validate(task.get("status") or {})
@@ -445,7 +425,7 @@ class Reconciler:
             # Keep our write only if the watch has not brought anything newer meanwhile
             # (a cancel made right after our write must not be hidden by it).
             if self._tasks.get(key) is entry:
-                self._tasks[key] = _slim(written)
+                self._tasks[key] = slim(written)
         _observe_attempts(key[0], queue, written, old, new)
         for t in projection.transitions(old, new):
             self._announce(written, t, queue, post=self.happy_events or not t.happy)
@@ -564,20 +544,6 @@ def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskSt
                 metrics.RUN_TIME.labels(namespace, queue, a.outcome).observe(
                     max((a.ended_at - a.claimed_at).total_seconds(), 0))
         previous_end = a.ended_at or previous_end
-
-
-def _slim(task: JSON) -> _Task:
-    """What the reconciler keeps of a Task: enough to decide and to write its status. The
-    payload is left out (the status subresource takes the spec from the stored Task): only
-    whether it is too deep matters here, and a payload too deep is kept to say so."""
-    meta = task["metadata"]
-    spec: JSON = task.get("spec") or {}
-    if models.payload_depth(spec.get("payload")) <= models.MAX_PAYLOAD_DEPTH:
-        spec = {k: v for k, v in spec.items() if k != "payload"}
-    body = {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
-            "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta}, "spec": spec, "status": task.get("status")}
-    return _Task(queue=sys.intern(str(spec.get("queue", ""))), created=str(meta.get("creationTimestamp", "")),
-                 body=json.dumps(body, separators=(",", ":")))
 
 
 def _claimed_before(task: JSON) -> bool:
