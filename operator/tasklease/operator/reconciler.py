@@ -26,14 +26,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, metrics, projection
-from tasklease.operator.slim import SlimTask, slim
+from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
@@ -72,7 +71,7 @@ class Reconciler:
         self.caught_up = threading.Event()
         self._backlog: set[Key] | None = None  # None: not counted yet
         self._tasks: dict[Key, SlimTask] = {}
-        self._leases: dict[Key, LeaseRecord] = {}
+        self._leases: dict[Key, SlimLease] = {}
         self._pods_gone: dict[Key, float] = {}  # pod → when (monotonic) we saw it deleted or terminated
         self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
@@ -138,9 +137,7 @@ class Reconciler:
 
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
         """Caller holds the lock."""
-        # Of the raw Lease only its uid is used (the precondition of an orphan's removal).
-        uid = (rec.raw.get("metadata") or {}).get("uid")
-        self._leases[key] = replace(rec, raw={"metadata": {"uid": uid}}) if uid else rec
+        self._leases[key] = slim_lease(rec)
         if rec.state == record.HELD:
             # The moment we first see this version is what expiry is measured from.
             self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
@@ -162,8 +159,8 @@ class Reconciler:
             if pod in self._pods_gone:
                 return
             self._pods_gone[pod] = now
-            for key, rec in self._leases.items():
-                if key[0] == pod[0] and rec.state == record.HELD and rec.holder_pod == pod[1]:
+            for key, lease in self._leases.items():
+                if key[0] == pod[0] and lease.held_by_pod == pod[1]:
                     self._enqueue(key)
 
     def _holder_pod_gone(self, key: Key, rec: LeaseRecord) -> bool:
@@ -335,7 +332,8 @@ class Reconciler:
 
     def reconcile(self, key: Key) -> None:
         with self._cond:
-            entry, rec = self._tasks.get(key), self._leases.get(key)
+            entry, lease = self._tasks.get(key), self._leases.get(key)
+        rec = lease.record() if lease is not None else None
         task = entry.json() if entry is not None else None
         if rec is not None and (task is None or rec.owner_uid != task["metadata"]["uid"]):
             if self.protocol.remove_orphan(rec):
