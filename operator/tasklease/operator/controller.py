@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -235,7 +236,16 @@ def _serve_http(host: str, port: int, ready: threading.Event, health: Health) ->
         def log_message(self, format: str, *args: Any) -> None:
             return  # probes every few seconds would drown the transition log
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = _Server((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     log.info("serving /metrics, /healthz and /readyz on %s:%d", host, server.server_address[1])
     return server
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A probe that gave up before its answer (a busy operator, a short timeout) hung up:
+        nothing went wrong here, so no traceback. Anything else is logged, once, as a warning."""
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, ConnectionError):
+            log.warning("http request from %s failed: %s", client_address[0], exc)
