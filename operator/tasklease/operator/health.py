@@ -51,9 +51,9 @@ class WatchHealth:
             self._reflectors = list(reflectors)
 
     def stopped(self) -> list[Reflector]:
-        """Our watches that stopped for good (no rights, no CRD): only a restart brings them back."""
+        """Our watches that an error stopped for good (no rights, no CRD): only a restart brings them back."""
         with self._lock:
-            return [r for r in self._reflectors if r.stopped]
+            return [r for r in self._reflectors if r.stopped and r.error is not None]
 
     def synced(self) -> bool:
         """Every one of our watches has listed what it watches once."""
