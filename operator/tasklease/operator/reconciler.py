@@ -198,7 +198,8 @@ class Reconciler:
                             for obj in page.get("items", []):
                                 key = _key(obj)
                                 backlog.add(key)
-                                self._tasks.setdefault(key, slim(obj))  # the watch may be ahead
+                                if key not in self._tasks:  # the watch may be ahead
+                                    self._tasks[key] = slim(obj)
                                 self._enqueue(key)
                 break
             except errors.TaskleaseError as exc:
