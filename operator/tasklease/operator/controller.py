@@ -117,8 +117,13 @@ def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, r
     # waits for those in an executor thread that cannot be cancelled, which hangs its
     # shutdown on SIGTERM.
     loop = asyncio.new_event_loop()
-    restart = asyncio.Event()
-    health.restart_watches = lambda: loop.call_soon_threadsafe(restart.set)
+    stop = asyncio.Event()
+    restart = threading.Event()
+
+    def restart_watches() -> None:
+        restart.set()
+        loop.call_soon_threadsafe(stop.set)
+    health.restart_watches = restart_watches
     reflectors = _reflectors(reconciler, kube, args.namespaces, health)
     health.watches.track(reflectors)
     for r in reflectors:
@@ -129,11 +134,15 @@ def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, r
         logging.getLogger(name).setLevel(logging.WARNING)
     # Our identity, not kopf's default: that asks getpass.getuser(), which fails for a uid
     # without a passwd entry (the image's 65532).
+    # Until kopf installs its own, SIGTERM stops kopf through its stop flag: a SystemExit
+    # raised inside kopf's starting activities would leave the traceback of a dead task.
+    signal.signal(signal.SIGTERM, lambda signum, frame: loop.call_soon_threadsafe(stop.set))
     try:
         kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
-                 namespaces=args.namespaces or (), ready_flag=ready, stop_flag=restart, loop=loop,
+                 namespaces=args.namespaces or (), ready_flag=ready, stop_flag=stop, loop=loop,
                  identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
     finally:
+        signal.signal(signal.SIGTERM, _exit_cleanly)
         health.restart_watches = lambda: None
         for r in reflectors:
             r.stop()  # a stopped Reflector delivers nothing more, even from a stream still open
