@@ -90,6 +90,26 @@ def test_watch_health_forgets_a_request_failure_after_a_quiet_period_but_not_an_
     assert health.problem() is None
 
 
+def test_watch_health_names_a_reflector_that_a_refusal_stopped(cluster: Cluster, namespace: str,
+                                                                tmp_path: Path) -> None:
+    """Our own Task and Lease watches: one stopped for good keeps the operator unready, saying which."""
+    from tasklease.kube import LEASES, Kube
+    from tasklease.kube.watching import Reflector
+
+    nobody = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, "reflect-nobody",
+                                                                    "no-such-role", tmp_path)))
+    health = WatchHealth()
+    reflector = Reflector(nobody, LEASES, namespace=namespace, listener=lambda kind, obj: None)
+    health.track([reflector])
+    assert health.problem() is None and not health.synced()
+    reflector.start()
+    problem = wait_for(health.problem, timeout=30, message="the stopped watch reported")
+    assert problem.startswith("cannot watch leases: ") and "forbidden" in problem.lower(), problem
+    assert health.stopped() == [reflector]
+    health.reset()  # a restart does not revive this one: only new Reflectors replace it
+    assert health.problem() == problem
+
+
 def _helm_template(*sets: str) -> list[dict[str, object]]:
     import subprocess
 

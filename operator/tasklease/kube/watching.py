@@ -28,9 +28,10 @@ class Reflector:
 
     `keep_objects=False`: the store keeps only each object's identity (name, uid, resourceVersion),
     for a listener that keeps its own, smaller picture; a deletion found by a relist is then
-    delivered with that metadata only."""
+    delivered with that metadata only. `namespace=None` watches every namespace; the store is
+    then keyed by `namespace/name`."""
 
-    def __init__(self, kube: Kube, resource: Resource, *, namespace: str, listener: Listener,
+    def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
                  keep_objects: bool = True, page_size: int = 500) -> None:
         self.kube = kube
@@ -57,6 +58,11 @@ class Reflector:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        """Its thread has ended: asked to, or stopped by a permanent error (then in `error`)."""
+        return self._thread.ident is not None and not self._thread.is_alive()
 
     def _run(self) -> None:
         backoff = Backoff(base_s=0.5, cap_s=30.0)
@@ -87,10 +93,11 @@ class Reflector:
     def _relist(self) -> None:
         seen: set[str] = set()
         rv = ""
-        for page in self.kube.list_pages(self.resource, namespace=self.namespace, limit=self.page_size,
-                                         label_selector=self.label_selector, field_selector=self.field_selector):
+        for page in self.kube.list_pages(self.resource, namespace=self.namespace, all_namespaces=self.namespace is None,
+                                         limit=self.page_size, label_selector=self.label_selector,
+                                         field_selector=self.field_selector):
             for obj in page.get("items", []):
-                name = obj["metadata"]["name"]
+                name = self._name(obj)
                 seen.add(name)
                 self._keep(name, obj)
                 self._deliver("ADDED", obj)
@@ -118,21 +125,28 @@ class Reflector:
             self._rv = obj["metadata"]["resourceVersion"]
             if kind == "BOOKMARK":
                 continue
-            name = obj["metadata"]["name"]
+            name = self._name(obj)
             if kind == "DELETED":
                 self.store.pop(name, None)
             else:
                 self._keep(name, obj)
             self._deliver(kind, obj)
 
+    def _name(self, obj: JSON) -> str:
+        meta = obj["metadata"]
+        return str(meta["name"]) if self.namespace is not None else f"{meta.get('namespace')}/{meta['name']}"
+
     def _keep(self, name: str, obj: JSON) -> None:
         meta = obj["metadata"]
         self.store[name] = obj if self.keep_objects else {
-            "metadata": {"name": name, "namespace": meta.get("namespace", self.namespace),
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace", self.namespace),
                          "uid": meta.get("uid", ""), "resourceVersion": meta.get("resourceVersion", "")}}
 
     def _deliver(self, kind: str, obj: JSON) -> None:
-        """One bad object (say, a hand-edited annotation) must not stop the stream."""
+        """One bad object (say, a hand-edited annotation) must not stop the stream. Once stopped,
+        nothing more is delivered, not even the rest of a list under way."""
+        if self._stop.is_set():
+            return
         try:
             self.listener(kind, obj)
         except Exception:  # noqa: BLE001

@@ -1,15 +1,16 @@
-"""Readiness and liveness: our rights, our threads, the Task CRD, and kopf's watches.
+"""Readiness and liveness: our rights, our threads, the Task CRD, and the watches (ours and kopf's).
 
 `Health` checks what kopf does not: the rights to what we watch (at start, and again while
 missing), the reconciler and election threads, and the Task CRD's identity (a recreated
-CRD restarts kopf's watches).
+CRD restarts the watches, as does a check that passes while one of ours has stopped).
 
-kopf restarts a failing watch by itself and says so only in its log: `WatchHealth` listens
-to that log. A failed API request (kopf retries it, logging each
-failure) makes the operator unready until `quiet_s` pass without another one; a resource
-kopf refuses to watch at all (no permission, no CRD) keeps it unready until an event of
-any watched kind arrives afterwards. An idle operator with healthy watches stays ready: no
-event is needed for that.
+kopf (Pods, the CRD) and our `Reflector`s (Tasks, Leases) restart a failing watch by
+themselves and say so only in their logs: `WatchHealth` listens to those logs. A failed API
+request (retried, logged each time) makes the operator unready until `quiet_s` pass without
+another one; a resource kopf refuses to watch at all (no permission, no CRD) keeps it
+unready until an event of any watched kind arrives afterwards, and a Reflector stopped by
+such an error until the watches restart. An idle operator with healthy watches stays ready:
+no event is needed for that.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from collections.abc import Callable
 
 from tasklease.api import errors, models
 from tasklease.kube import CRDS, JSON, LEASES, PODS, TASKS, Kube
+from tasklease.kube.watching import Reflector
 from tasklease.operator.reconciler import Reconciler
 
 # kopf's API client logs each failed request here; its observer logs the resources it cannot watch.
 REQUEST_LOGGERS = ("kopf._cogs.clients",)
 WATCH_LOGGERS = ("kopf._core.reactor.observation",)
+# Our Reflectors log each failed list or watch here ("watch of tasks interrupted ...").
+REFLECTOR_LOGGER = "tasklease.kube.watching"
 QUIET_S = 30.0
 log = logging.getLogger("tasklease.operator")
 CRD_NAME = f"{models.PLURAL}.{models.GROUP}"
@@ -39,6 +43,22 @@ class WatchHealth:
         self._failed_at: float | None = None
         self._failure = ""
         self._unwatched = ""
+        self._reflectors: list[Reflector] = []
+
+    def track(self, reflectors: list[Reflector]) -> None:
+        """The Reflectors now running (they replace the ones before a restart)."""
+        with self._lock:
+            self._reflectors = list(reflectors)
+
+    def stopped(self) -> list[Reflector]:
+        """Our watches that an error stopped for good (no rights, no CRD): only a restart brings them back."""
+        with self._lock:
+            return [r for r in self._reflectors if r.stopped and r.error is not None]
+
+    def synced(self) -> bool:
+        """Every one of our watches has listed what it watches once."""
+        with self._lock:
+            return all(r.synced.is_set() for r in self._reflectors)
 
     def event(self) -> None:
         """A watch event arrived: the watches work."""
@@ -60,6 +80,9 @@ class WatchHealth:
 
     def problem(self) -> str | None:
         """Why the watches are not healthy now; None when they are."""
+        stopped = self.stopped()
+        if stopped:
+            return f"cannot watch {stopped[0].resource.plural}: {stopped[0].error}"
         with self._lock:
             if self._unwatched:
                 return self._unwatched
@@ -68,19 +91,24 @@ class WatchHealth:
             return None
 
     def attach(self) -> None:
-        """Listen to kopf's loggers (warnings and errors only)."""
+        """Listen to kopf's and our Reflectors' loggers (warnings and errors only)."""
         for names, record in ((REQUEST_LOGGERS, self.request_failed), (WATCH_LOGGERS, self.cannot_watch)):
             for name in names:
                 logging.getLogger(name).addHandler(_Handler(record))
+        # Not the Reflector's "skipping ..." of one unreadable object: that is no watch failure.
+        logging.getLogger(REFLECTOR_LOGGER).addHandler(_Handler(self.request_failed, prefix="watch of "))
 
 
 class _Handler(logging.Handler):
-    def __init__(self, record: Callable[[str], None]) -> None:
+    def __init__(self, record: Callable[[str], None], prefix: str = "") -> None:
         super().__init__(level=logging.WARNING)
         self._record = record
+        self._prefix = prefix
 
     def emit(self, record: logging.LogRecord) -> None:
-        self._record(record.getMessage().splitlines()[0][:300])
+        message = record.getMessage()
+        if message.startswith(self._prefix):
+            self._record(message.splitlines()[0][:300])
 
 
 class Health:
@@ -98,12 +126,13 @@ class Health:
         self.watches = watches
         self.interval_s = interval_s
         self.problem = ""  # why we are not ready, from the last check
-        self.on_crd_recreated: Callable[[], object] = lambda: None
+        # Set by the controller while its watches run: start them over.
+        self.restart_watches: Callable[[], object] = lambda: None
         self._crd_uid = ""
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self.interval_s):
-            if not self.problem:
+            if not self.problem and not self.watches.stopped():
                 continue
             try:
                 self.check()
@@ -123,7 +152,7 @@ class Health:
         uid = obj["metadata"]["uid"]
         if self._crd_uid and uid != self._crd_uid:
             self.problem = ""
-            self.on_crd_recreated()
+            self.restart_watches()
         self._crd_uid = uid
 
     def check(self) -> None:
@@ -145,6 +174,11 @@ class Health:
         if problem and problem != self.problem:
             log.error("not ready: %s", problem)
         self.problem = problem
+        stopped = self.watches.stopped()
+        if not problem and stopped:
+            # What stopped them (no CRD, no rights) is fixed now.
+            log.warning("restarting the watches: the watch of %s had stopped", stopped[0].resource.plural)
+            self.restart_watches()
 
     def not_ready(self) -> str:
         watching = self.watches.problem()

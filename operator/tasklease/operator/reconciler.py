@@ -21,17 +21,18 @@ do not write until they lead.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, metrics, projection
+from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
@@ -50,11 +51,6 @@ _RETRY_CAP_S = 30.0
 _POD_MEMORY_S = 2 * 3600.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
-# What a decision or a status write needs of a Task's metadata; the rest (managedFields,
-# annotations) stays with the API server.
-_KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp")
-
-
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
@@ -74,8 +70,8 @@ class Reconciler:
         # Set once every Task that existed when we started leading has been reconciled once.
         self.caught_up = threading.Event()
         self._backlog: set[Key] | None = None  # None: not counted yet
-        self._tasks: dict[Key, JSON] = {}
-        self._leases: dict[Key, LeaseRecord] = {}
+        self._tasks: dict[Key, SlimTask] = {}
+        self._leases: dict[Key, SlimLease] = {}
         self._pods_gone: dict[Key, float] = {}  # pod → when (monotonic) we saw it deleted or terminated
         self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
@@ -99,7 +95,7 @@ class Reconciler:
                 self._tasks.pop(key, None)
                 self._set_phase(key, None)
             else:
-                self._tasks[key] = _slim(obj)
+                self._tasks[key] = slim(obj)
                 where = (key[0], str((obj.get("spec") or {}).get("queue", "")))
                 if where not in self._queues:
                     self._queues.add(where)
@@ -115,7 +111,7 @@ class Reconciler:
                 task = self._tasks.get(key)
                 if phase != Phase.PENDING.value or task is None:
                     continue
-                created = timestamps.parse_time(task["metadata"].get("creationTimestamp")) or now
+                created = timestamps.parse_time(task.created) or now
                 where = (key[0], queue)
                 oldest[where] = max(oldest.get(where, 0.0), (now - created).total_seconds())
         return [(ns, queue, age) for (ns, queue), age in sorted(oldest.items())]
@@ -141,9 +137,7 @@ class Reconciler:
 
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
         """Caller holds the lock."""
-        # Of the raw Lease only its uid is used (the precondition of an orphan's removal).
-        uid = (rec.raw.get("metadata") or {}).get("uid")
-        self._leases[key] = replace(rec, raw={"metadata": {"uid": uid}}) if uid else rec
+        self._leases[key] = slim_lease(rec)
         if rec.state == record.HELD:
             # The moment we first see this version is what expiry is measured from.
             self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
@@ -165,8 +159,8 @@ class Reconciler:
             if pod in self._pods_gone:
                 return
             self._pods_gone[pod] = now
-            for key, rec in self._leases.items():
-                if key[0] == pod[0] and rec.state == record.HELD and rec.holder_pod == pod[1]:
+            for key, lease in self._leases.items():
+                if key[0] == pod[0] and lease.held_by_pod == pod[1]:
                     self._enqueue(key)
 
     def _holder_pod_gone(self, key: Key, rec: LeaseRecord) -> bool:
@@ -204,7 +198,8 @@ class Reconciler:
                             for obj in page.get("items", []):
                                 key = _key(obj)
                                 backlog.add(key)
-                                self._tasks.setdefault(key, _slim(obj))  # the watch may be ahead
+                                if key not in self._tasks:  # the watch may be ahead
+                                    self._tasks[key] = slim(obj)
                                 self._enqueue(key)
                 break
             except errors.TaskleaseError as exc:
@@ -338,18 +333,19 @@ class Reconciler:
 
     def reconcile(self, key: Key) -> None:
         with self._cond:
-            task, rec = self._tasks.get(key), self._leases.get(key)
-        if task is None or (rec is not None and rec.owner_uid != task["metadata"]["uid"]):
-            if rec is not None:
-                if self.protocol.remove_orphan(rec):
-                    log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
-            if task is None:
-                return
+            entry, lease = self._tasks.get(key), self._leases.get(key)
+        rec = lease.record() if lease is not None else None
+        task = entry.json() if entry is not None else None
+        if rec is not None and (task is None or rec.owner_uid != task["metadata"]["uid"]):
+            if self.protocol.remove_orphan(rec):
+                log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
+        if entry is None or task is None:
+            return
         if rec is None and _claimed_before(task):
             rec = self._find_unlabelled(task)
         view = TaskView.of(task)
         rec = self._act(view, rec)
-        self._project(key, task, rec)
+        self._project(key, entry, task, rec)
         if self._clean_up(key, view, rec):
             return
         self._schedule(key, view, rec)
@@ -400,11 +396,12 @@ class Reconciler:
                  rec.holder, cause, silent)
         return self._remember(rec, written)
 
-    def _project(self, key: Key, task: JSON, rec: LeaseRecord | None) -> None:
-        """Step 3: write the status if it changed, then tell people what happened."""
+    def _project(self, key: Key, entry: SlimTask, task: JSON, rec: LeaseRecord | None) -> None:
+        """Step 3: write the status if it changed, then tell people what happened. `entry` is
+        what `task` was decoded from: our write replaces it only if no event replaced it first."""
         old = models.TaskStatus.model_validate(task.get("status") or {})
         new = projection.project(task, rec, old=old, now=self.clock())
-        queue = task["spec"]["queue"]
+        queue = entry.queue
         with self._cond:
             self._set_phase(key, (queue, new.phase.value))
         if task.get("status") and projection.same(old, new):
@@ -418,7 +415,7 @@ class Reconciler:
         except errors.NotFound:
             # Gone while we looked (a relist may not report it as deleted): forget it.
             with self._cond:
-                if self._tasks.get(key) is task:
+                if self._tasks.get(key) is entry:
                     self._tasks.pop(key)
                     self._set_phase(key, None)
             return
@@ -426,8 +423,8 @@ class Reconciler:
         with self._cond:
             # Keep our write only if the watch has not brought anything newer meanwhile
             # (a cancel made right after our write must not be hidden by it).
-            if self._tasks.get(key) is task:
-                self._tasks[key] = _slim(written)
+            if self._tasks.get(key) is entry:
+                self._tasks[key] = slim(written)
         _observe_attempts(key[0], queue, written, old, new)
         for t in projection.transitions(old, new):
             self._announce(written, t, queue, post=self.happy_events or not t.happy)
@@ -470,9 +467,10 @@ class Reconciler:
         or our orphan removal when the deletion comes back through the watch). True when
         deleted. Conditional on the Task as we know it: a Task changed meanwhile is kept."""
         with self._cond:
-            task = self._tasks.get(key)
-        if task is None:
+            entry = self._tasks.get(key)
+        if entry is None:
             return False
+        task = entry.json()
         status = models.TaskStatus.model_validate(task.get("status") or {})
         at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
         if at is None or at > self.clock():
@@ -493,8 +491,8 @@ class Reconciler:
         wakes: list[float] = []
         now, mono = self.clock(), self.monotonic()
         with self._cond:
-            task = self._tasks.get(key)
-        status = models.TaskStatus.model_validate((task or {}).get("status") or {})
+            entry = self._tasks.get(key)
+        status = models.TaskStatus.model_validate((entry.json() if entry else {}).get("status") or {})
         # A delayed start ends: project it (the Task event wakes waiting agents); a TTL runs out.
         for when in (view.spec.not_before if rec is None or rec.state != record.CLOSED else None,
                      cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)):
@@ -547,14 +545,6 @@ def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskSt
         previous_end = a.ended_at or previous_end
 
 
-def _slim(task: JSON) -> JSON:
-    """What the reconciler keeps of a Task: enough to decide and to write its status."""
-    meta = task["metadata"]
-    return {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
-            "metadata": {k: meta[k] for k in _KEPT_METADATA if k in meta},
-            "spec": task.get("spec", {}), "status": task.get("status")}
-
-
 def _claimed_before(task: JSON) -> bool:
     status = task.get("status") or {}
     return bool(status.get("attempt") or status.get("holder"))
@@ -562,4 +552,4 @@ def _claimed_before(task: JSON) -> bool:
 
 def _key(obj: JSON) -> Key:
     meta: dict[str, Any] = obj["metadata"]
-    return (meta["namespace"], meta["name"])
+    return (sys.intern(meta["namespace"]), meta["name"])  # one namespace string for all its keys

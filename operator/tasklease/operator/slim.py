@@ -1,0 +1,123 @@
+"""What the operator keeps of a Task and of a Lease between events: a few fields and deflated JSON.
+
+Every Task and every Lease costs memory for as long as it exists, at every queue depth. As
+nested dicts a projected Task is about 3 KB; as compact JSON 840 bytes; deflated against a
+dictionary of what every Task has in common (keys, defaults, the two conditions) about 150.
+A closed Lease decoded into a `LeaseRecord` (datetimes, pydantic attempts) is about 2 KB;
+deflated the same way, a few hundred bytes. Both are inflated (microseconds) only when
+their task is reconciled. The dictionaries live in this process only: what they contain
+changes how small an object gets, never what comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from tasklease.api import models
+from tasklease.kube import JSON
+from tasklease.protocol import LeaseRecord, record
+
+# What a decision or a status write needs of a Task's metadata; the rest (managedFields,
+# annotations) stays with the API server.
+KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp")
+# What `record.decode` reads of a Lease's metadata, and the uid (an orphan's removal is conditional on it).
+KEPT_LEASE_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "annotations", "ownerReferences")
+_WBITS = -15  # a raw deflate stream: no header or checksum for data that never leaves memory
+
+
+class _Packer:
+    """Compact JSON, deflated against `common`: the keys and values most objects share."""
+
+    def __init__(self, common: JSON) -> None:
+        self._common = json.dumps(common, separators=(",", ":"), sort_keys=True).encode()
+
+    def pack(self, obj: JSON) -> bytes:
+        deflate = zlib.compressobj(6, zlib.DEFLATED, _WBITS, zdict=self._common)
+        return deflate.compress(json.dumps(obj, separators=(",", ":")).encode()) + deflate.flush()
+
+    def unpack(self, packed: bytes) -> JSON:
+        inflate = zlib.decompressobj(_WBITS, zdict=self._common)
+        obj: JSON = json.loads(inflate.decompress(packed) + inflate.flush())
+        return obj
+
+
+def _common_task() -> JSON:
+    """A made-up Task with every key and default a real one has."""
+    condition = {"lastTransitionTime": "", "message": "", "observedGeneration": 1, "status": "False"}
+    return {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
+            "metadata": dict.fromkeys(KEPT_METADATA, ""),
+            "spec": models.TaskSpec(queue="q").model_dump(mode="json", by_alias=True, exclude={"payload"}),
+            "status": {**models.TaskStatus().model_dump(mode="json", by_alias=True, exclude_none=True),
+                       "conditions": [{**condition, "reason": "NotHeld", "type": "Held"},
+                                      {**condition, "reason": "NotFinished", "type": "Finished"}],
+                       "reason": "Waiting"}}
+
+
+def _common_lease() -> JSON:
+    """A made-up closed Lease of a task, with one attempt in its history."""
+    at = datetime(2000, 1, 1, tzinfo=UTC)
+    lease = record.encode(LeaseRecord(
+        name="t", namespace="n", queue="q", owner_uid="u", epoch=1, acquired_at=at, renewed_at=at,
+        outcome="Succeeded", reason="Succeeded", result="ok", resource_version="1",
+        history=(models.Attempt(attempt=1, holder="p/i", claimed_at=at, ended_at=at, outcome="Succeeded"),)))
+    lease["metadata"]["uid"] = "u"
+    return lease
+
+
+_TASKS = _Packer(_common_task())
+_LEASES = _Packer(_common_lease())
+
+
+@dataclass(slots=True)
+class SlimTask:
+    """One Task as the reconciler keeps it: the two fields read without reconciling it (they
+    feed the metrics), and the rest deflated."""
+
+    queue: str
+    created: str  # metadata.creationTimestamp
+    packed: bytes
+
+    def json(self) -> JSON:
+        return _TASKS.unpack(self.packed)
+
+
+def slim(task: JSON) -> SlimTask:
+    """Enough of `task` to decide and to write its status. The payload is left out (a status
+    write takes the spec from the stored Task): only whether it is nested too deeply matters
+    here, and a payload nested too deeply is kept to say so."""
+    meta = task["metadata"]
+    spec: JSON = task.get("spec") or {}
+    if models.payload_depth(spec.get("payload")) <= models.MAX_PAYLOAD_DEPTH:
+        spec = {k: v for k, v in spec.items() if k != "payload"}
+    packed = _TASKS.pack({"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
+                          "metadata": {k: meta[k] for k in KEPT_METADATA if k in meta}, "spec": spec,
+                          "status": task.get("status")})
+    # Interned: thousands of Tasks share a queue and a creation second.
+    return SlimTask(queue=sys.intern(str(spec.get("queue", ""))),
+                    created=sys.intern(str(meta.get("creationTimestamp", ""))), packed=packed)
+
+
+@dataclass(slots=True)
+class SlimLease:
+    """One Lease as the reconciler keeps it: what a Pod's deletion and a write's race are
+    decided with, and the Lease as it was read, deflated."""
+
+    held_by_pod: str  # the holder's Pod while held, else ""
+    resource_version: str
+    packed: bytes
+
+    def record(self) -> LeaseRecord:
+        return record.decode(_LEASES.unpack(self.packed))
+
+
+def slim_lease(rec: LeaseRecord) -> SlimLease:
+    """`rec` as read from the API server (`rec.raw`), without what it does not decide with."""
+    meta = rec.raw.get("metadata") or {}
+    packed = _LEASES.pack({"metadata": {k: meta[k] for k in KEPT_LEASE_METADATA if k in meta},
+                           "spec": rec.raw.get("spec") or {}})
+    return SlimLease(held_by_pod=rec.holder_pod if rec.state == record.HELD else "",
+                     resource_version=rec.resource_version, packed=packed)
