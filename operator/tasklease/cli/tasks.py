@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,8 @@ from tasklease.agent.producer import same_spec
 from tasklease.api import errors, models
 from tasklease.cli import output
 from tasklease.cli.common import first_line, kube_of
-from tasklease.cli.follow import follow
 from tasklease.kube import EVENTS, TASKS, Kube
+from tasklease.kube.watching import Reflector
 from tasklease.protocol import Protocol, TaskView
 
 
@@ -77,9 +78,21 @@ def _follow(kube: Kube, args: argparse.Namespace, resource_version: str) -> None
         else:
             line = output.render([obj], args.output, single=True)
         print(line, flush=True)
-    follow(kube, TASKS, namespace=None if args.all_namespaces else kube.namespace, on_event=show,
-           label_selector=args.selector, field_selector=f"spec.queue={args.queue}" if args.queue else "",
-           skip_list=resource_version)
+    # Printed here, not in the watch's thread: a closed pipe (`| head`) must end this command.
+    events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+    watch = Reflector(kube, TASKS, namespace=None if args.all_namespaces else kube.namespace,
+                      listener=lambda kind, obj: events.put((kind, obj)), label_selector=args.selector,
+                      field_selector=f"spec.queue={args.queue}" if args.queue else "", since=resource_version)
+    watch.start()
+    try:
+        while True:  # until Ctrl-C, a closed pipe, or a permanent error
+            try:
+                show(*events.get(timeout=1.0))
+            except queue.Empty:
+                if watch.stopped:
+                    raise watch.error or errors.Unreachable("the watch of tasks stopped") from None
+    finally:
+        watch.stop()
 
 
 def cmd_get(args: argparse.Namespace) -> int:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from tasklease.api import errors, models, timestamps
-from tasklease.cli.follow import follow
 from tasklease.cli.output import duration, format_rows
 from tasklease.kube import JSON, LEASES, TASKS, Kube
+from tasklease.kube.watching import Reflector
 from tasklease.protocol import CLOSED, HELD, LeaseRecord, record
 
 RATE_WINDOW_S = 10.0
@@ -122,27 +122,29 @@ class Top:
         self.namespace = namespace  # None: all namespaces
         self.monotonic = monotonic
         self.changed = threading.Event()
-        self._stop = threading.Event()
         self._lock = threading.Lock()
         self._tasks: dict[tuple[str, str], JSON] = {}
         self._leases: dict[tuple[str, str], LeaseRecord] = {}
-        self._synced = {"tasks": threading.Event(), "leases": threading.Event()}
+        self._watches = [Reflector(kube, TASKS, namespace=namespace, listener=self._on_task, keep_objects=False),
+                         Reflector(kube, LEASES, namespace=namespace, listener=self._on_lease, keep_objects=False,
+                                   label_selector=record.MANAGED_SELECTOR)]
         self._claims: collections.deque[tuple[float, tuple[str, str]]] = collections.deque()
         self._completions: collections.deque[tuple[float, tuple[str, str]]] = collections.deque()
 
     def start(self, timeout_s: float = 30.0) -> None:
-        for name, resource, selector, listener in (("tasks", TASKS, "", self._on_task),
-                                                   ("leases", LEASES, record.MANAGED_SELECTOR, self._on_lease)):
-            threading.Thread(target=follow, args=(self.kube, resource), daemon=True, name=f"top-{name}", kwargs={
-                "namespace": self.namespace, "on_event": listener, "label_selector": selector, "stop": self._stop,
-                "on_listed": self._synced[name].set}).start()
         deadline = time.monotonic() + timeout_s
-        for synced in self._synced.values():
-            if not synced.wait(max(deadline - time.monotonic(), 0)):
+        for watch in self._watches:
+            watch.start()
+        for watch in self._watches:
+            if not watch.synced.wait(max(deadline - time.monotonic(), 0)):
+                self.stop()
+                if isinstance(watch.error, errors.TaskleaseError):
+                    raise watch.error
                 raise errors.Unreachable(f"the watches did not start within {timeout_s:.0f}s")
 
     def stop(self) -> None:
-        self._stop.set()
+        for watch in self._watches:
+            watch.stop()
 
     def rows(self) -> list[QueueRow]:
         cutoff = self.monotonic() - RATE_WINDOW_S
@@ -171,7 +173,7 @@ class Top:
                 self._leases.pop(key, None)
             else:
                 self._leases[key] = rec
-            if self._synced["leases"].is_set() and kind != "DELETED":  # the first list is no news
+            if self._watches[1].synced.is_set() and kind != "DELETED":  # the first list is no news
                 now, where = self.monotonic(), (rec.namespace, rec.queue)
                 if rec.state == HELD and (before is None or rec.epoch > before.epoch):
                     self._claims.append((now, where))

@@ -29,11 +29,12 @@ class Reflector:
     `keep_objects=False`: the store keeps only each object's identity (name, uid, resourceVersion),
     for a listener that keeps its own, smaller picture; a deletion found by a relist is then
     delivered with that metadata only. `namespace=None` watches every namespace; the store is
-    then keyed by `namespace/name`."""
+    then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
+    caller that has just listed (no first list; `synced` waits for a relist)."""
 
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
-                 keep_objects: bool = True, page_size: int = 500) -> None:
+                 keep_objects: bool = True, page_size: int = 500, since: str = "") -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -50,7 +51,7 @@ class Reflector:
         self.watches = 0  # watch requests made: one more each time a stream ends
         self.pages = 0  # LIST pages received: a long first list shows its progress here
         self._stop = threading.Event()
-        self._rv = ""
+        self._rv = since
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
 
     def start(self) -> None:
