@@ -246,13 +246,13 @@ def test_the_operator_recovers_from_a_recreated_crd(
     wait_for(lambda: operator.get("/readyz")[0] == 200, timeout=90, message="ready again")
 
 
-def test_kopf_is_restarted_for_a_recreated_crd_only_once_the_new_one_is_served(kube: Kube) -> None:
+def test_the_watches_are_restarted_for_a_recreated_crd_only_once_the_new_one_is_served(kube: Kube) -> None:
     """kopf looks up what it watches when it starts: a restart on the new CRD's first event,
     before it is Established, left the operator without a watch of Tasks for good."""
     health = Health(kube, Reconciler(kube, grace_s=1.0), namespaces=[kube.namespace], threads=[],
                     elector_alive=None, watches=WatchHealth())
     restarts: list[str] = []
-    health.on_crd_recreated = lambda: restarts.append(health.problem)
+    health.restart_watches = lambda: restarts.append(health.problem)
     served = {"conditions": [{"type": "NamesAccepted", "status": "True"}, {"type": "Established", "status": "True"}]}
 
     def crd(uid: str, status: dict[str, Any] | None) -> dict[str, Any]:
@@ -438,7 +438,7 @@ def test_a_task_leaving_the_cancel_watch_during_an_outage_is_a_warning_not_a_tra
     told: list[str] = []
     follower.watchers["t"] = ("uid-1", told.append)
     with caplog.at_level(logging.WARNING, logger="tasklease.agent.cancel"):
-        follower._seen("DELETED", {"metadata": {"name": "t", "namespace": "ns", "uid": "uid-1"}})
+        follower.seen("DELETED", {"metadata": {"name": "t", "namespace": "ns", "uid": "uid-1"}})
     assert told == []  # not known to be deleted: the next renewal decides
     assert "its holder, if any, learns it at its next renewal" in caplog.text
 

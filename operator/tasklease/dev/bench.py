@@ -482,28 +482,33 @@ def _cli_and_operator_at_depth(kube: Kube, *, kubeconfig: Path, depth: int, suff
 
 
 def _full_drain(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Results:
-    """The whole product at scale: `depth` Tasks created, the operator through its backlog,
-    then `agents` agents drain every one of them while the operator projects."""
+    """The whole product at scale: `depth` Tasks created while the operator runs, then
+    `agents` agents drain every one of them while the operator works through its backlog
+    and projects. The operator's memory is its peak, sampled every second."""
     operator, port = _operator(kube, kubeconfig)
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(1.0):
+            peak[0] = max(peak[0], _rss_mb(operator.pid))
+    threading.Thread(target=sample, daemon=True).start()
     try:
         _until(lambda: _get_ok(port), 120, "the operator to be ready")
         began = time.monotonic()
         _create_tasks(kube, depth, queue="bench")
         created_s = time.monotonic() - began
-        _until(lambda: _metric(port, "tasklease_tasks", 'phase="Pending"') >= depth, 3600,
-               f"the operator to project the {depth} new tasks", interval=1.0)
-        rss = _rss_mb(operator.pid)
         drained = _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=depth)
         _until(lambda: _metric(port, "tasklease_tasks", 'phase="Succeeded"') >= depth, 3600,
                "every task projected Succeeded", interval=1.0)
-        rss = max(rss, _rss_mb(operator.pid))
         unfinished = sum(1 for page in kube.list_pages(TASKS, namespace=kube.namespace, limit=500)
                          for task in page.get("items", []) if (task.get("status") or {}).get("phase") != "Succeeded")
     finally:
+        done.set()
         _stop(operator)
     if unfinished:
         raise RuntimeError(f"bench: {unfinished} of {depth} tasks not Succeeded after the drain")
-    return {**drained, "created_per_s": depth / created_s, "operator_rss_mb": rss}
+    return {**drained, "created_per_s": depth / created_s, "operator_rss_mb": peak[0]}
 
 
 def _operator(kube: Kube, kubeconfig: Path) -> tuple[subprocess.Popen[bytes], int]:
