@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
-from tasklease.agent.discovery import CandidateIndex, Owner, compact, divide, expand, owner, weight
+from tasklease.agent.discovery import CandidateIndex, Owner, QueueView, compact, divide, expand, owner, weight
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import Kube
-from tasklease.protocol import Protocol, TaskView
+from tasklease.protocol import LeaseRecord, Protocol, TaskView, record
 
 
 def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
@@ -74,6 +75,33 @@ def test_strict_priority_holds_whoever_owns_what() -> None:
     agents = [f"agent-{a}/x" for a in range(16)]
     # Whoever owns it, every agent is offered only the urgent task: a thief takes it, or its owner.
     assert {tuple(divide(a, index.best(128), functools.partial(owner, agents)).names) for a in agents} == {("urgent",)}
+
+
+def test_an_agent_whose_peers_own_the_oldest_tasks_looks_deeper_instead_of_idling(kube: Kube) -> None:
+    """Found by draining 100,000 tasks with 16 agents: agents that owned none of the oldest
+    tasks, all of whose owners were claiming, waited until their idle timeout and stopped."""
+    peers = [f"peer-{p:02d}/x" for p in range(15)]
+    everyone = [*peers, "me/x"]
+    view = QueueView(kube, namespace="ns", queue="deep")  # fed by hand below: never started
+    now = now_utc()
+
+    def task(name: str, second: int) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                             "creationTimestamp": f"2026-01-01T{second // 3600:02d}:{second // 60 % 60:02d}:"
+                                                  f"{second % 60:02d}Z"}, "spec": {"queue": "deep"}}
+    for p, peer in enumerate(peers):  # each peer has just claimed: they are at work
+        view._on_task("ADDED", task(f"held-{p}", p))
+        view._on_lease("ADDED", record.encode(LeaseRecord(
+            name=f"held-{p}", namespace="ns", queue="deep", owner_uid=f"uid-held-{p}", holder=peer, epoch=1,
+            acquired_at=now, renewed_at=now, resource_version="1")))
+    theirs = (n for n in (f"t-{i:05d}" for i in range(100000)) if owner(everyone, n)[1] != "me/x")
+    for second in range(100, 400):  # the 300 oldest open tasks are all the peers'
+        view._on_task("ADDED", task(next(theirs), second))
+    mine = [n for n in (f"m-{i:05d}" for i in range(1000)) if owner(everyone, n)[1] == "me/x"][:5]
+    for second, name in enumerate(mine, start=400):
+        view._on_task("ADDED", task(name, second))
+    candidates, division = view.choose("me/x", now_utc(), window=32)
+    assert division.ours == len(mine) and {t.name for t, _ in candidates} == set(mine)
 
 
 def test_a_claim_takes_the_highest_priority_task_every_time(kube: Kube) -> None:

@@ -35,6 +35,7 @@ _SPREAD_PER_HOLDER = 8
 # A peer that claimed this recently is at it: the tasks it owns are left to it.
 _ACTIVE = timedelta(seconds=1)
 _DECODED = 1024  # task views kept decoded (the most recently used)
+_DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 
 
 def task_selector(queue: str) -> str:
@@ -261,11 +262,14 @@ class QueueView:
         `divide`). Empty when nothing is claimable.
 
         How many of the oldest: `window`, or more with many agents at work, so that every
-        agent at work owns some of them (`_SPREAD_PER_HOLDER` per lease held in the queue)."""
+        agent at work owns some of them (`_SPREAD_PER_HOLDER` per peer or lease held in the
+        queue); and when none of those is ours while the band goes on, deeper (up to
+        `_DEEPEST`): an agent whose peers own the oldest tasks must not idle beside a deep queue."""
         with self._changed:
             self._release_due(now)
             self._expire_peers(now)
-            window = max(window, _SPREAD_PER_HOLDER * len(self._held))
+            peers = frozenset((*self._peers, holder))
+            window = max(window, _SPREAD_PER_HOLDER * max(len(self._held), len(peers)))
             while True:
                 names = self._index.best(window)
                 if not names:
@@ -278,12 +282,13 @@ class QueueView:
                     else:
                         self._judge(name, now)  # its deadline passed since it was indexed
                 if ready:
-                    peers = frozenset((*self._peers, holder))
                     if peers != self._owners_of or len(self._owners) > 4 * window:
                         self._owners, self._owners_of = {}, peers
                     claiming = {p for p, (claimed, _) in self._peers.items() if now - claimed < _ACTIVE}
                     division = divide(holder, ready, self._owner, claiming, set(self._held.values()))
-                    return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
+                    if division.ours or len(names) < window or window >= _DEEPEST:
+                        return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
+                    window *= 4  # none of these is ours, and the band has more
 
     def claimable_count(self) -> int:
         with self._changed:
