@@ -413,11 +413,11 @@ def main(argv: list[str] | None = None) -> int:
     return chaos.report()
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def _leads(readyz: str) -> bool:
     """`/readyz` names the role whether or not the operator is ready yet: "ready leader",
     "starting leader" (its backlog not yet reconciled), "not ready (leader): why"."""
     return "leader" in readyz.split(":", 1)[0]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
