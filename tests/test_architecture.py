@@ -70,3 +70,15 @@ def test_help_and_list_do_not_load_the_operator(cluster: Cluster, namespace: str
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "KUBECONFIG": str(config)})
     assert "loaded: [] exit: 0" in result.stderr, result.stderr
+
+
+def test_a_module_run_as_a_script_defines_everything_before_it_runs() -> None:
+    """`python -m tasklease.dev.chaos` once called main() above a helper it needed: a
+    NameError the tests, which import the module, could never see."""
+    late = []
+    for path in sorted((ROOT / "operator" / "tasklease").rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and i != len(body) - 1:
+                late.append(str(path.relative_to(ROOT)))
+    assert late == []
