@@ -51,6 +51,8 @@ _RETRY_CAP_S = 30.0
 _POD_MEMORY_S = 2 * 3600.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
+
+
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
