@@ -37,6 +37,9 @@ def test_kubectl_get_tasks_shows_the_story_columns(cluster: Cluster, kube: Kube,
     assert header == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE", "NOT-BEFORE"]
     wide = cluster.kubectl("get", "tasks", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
     assert wide[:7] == header and "PRIORITY" in wide and "REASON" in wide
+    # No operator runs here: a Task nobody has written shows the CRD's default phase.
+    row = cluster.kubectl("get", "task", "shown", "-n", namespace, "--no-headers").stdout.split()
+    assert row[1:3] == ["mail", "Pending"]
 
 
 def test_the_chart_lints_and_applies_to_a_real_api_server(cluster: Cluster, namespace: str) -> None:

@@ -124,6 +124,24 @@ def test_a_scheduled_task_is_projected_with_its_start_time() -> None:
     assert after.reason == "Waiting"
 
 
+def test_only_a_never_written_waiting_task_goes_without_a_status_write() -> None:
+    fresh = models.TaskStatus()  # what the API server serves for a Task nobody wrote (the CRD default)
+    waiting = projection.project(_task_json(fresh), None, old=fresh, now=NOW)
+    assert projection.unwritten(fresh, waiting)
+    later = (NOW + timedelta(minutes=5)).isoformat()
+    scheduled = projection.project(_task_json(fresh, notBefore=later), None, old=fresh, now=NOW)
+    assert not projection.unwritten(fresh, scheduled)  # the start time must show
+    task = _task()
+    requeued_once = projection.project(_task_json(fresh), requeued(claimed(task, None, "pod/0", NOW), task.spec,
+                                                                  outcome="Failed", message="boom", now=NOW,
+                                                                  backoff=False), old=fresh, now=NOW)
+    assert requeued_once.phase is models.Phase.PENDING and not projection.unwritten(fresh, requeued_once)
+    # Once written, the operator keeps the status true: a Scheduled task becomes Waiting by a write.
+    after = projection.project(_task_json(scheduled, notBefore=later), None, old=scheduled,
+                               now=NOW + timedelta(hours=1))
+    assert after.reason == "Waiting" and not projection.unwritten(scheduled, after)
+
+
 def test_ttl_counts_from_the_end_and_keeps_dead_letters() -> None:
     task = _task(ttlSecondsAfterFinished=60)
     done = ended(claimed(task, None, "pod/1", NOW), outcome="Succeeded", now=NOW,

@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,14 @@ def _agent_pod(kube: Kube, name: str) -> dict[str, Any]:
 
 def _lease(kube: Kube, name: str) -> record.LeaseRecord:
     return record.decode(kube.get(LEASES, name))
+
+
+def _in_an_hour() -> str:
+    return (datetime.now(UTC) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _reason(kube: Kube, name: str) -> str:
+    return str(kube.get(TASKS, name)["status"]["reason"])
 
 
 def _phase(kube: Kube, name: str) -> str:
@@ -235,8 +244,8 @@ def test_at_idle_the_operator_makes_no_request_but_its_watches(
     print(f"\nidle 60 s: {len(during)} audit entries from the operator, all watches")
 
     # The watches are still alive: a change made now is projected at once.
-    make_task(kube, "after-idle", queue="idle")
-    wait_for(lambda: _phase(kube, "after-idle") == "Pending", message="the operator to see a new task")
+    make_task(kube, "after-idle", queue="idle", notBefore=_in_an_hour())
+    wait_for(lambda: _reason(kube, "after-idle") == "Scheduled", message="the operator to see a new task")
     assert op.proc.poll() is None
 
 
@@ -306,9 +315,21 @@ def test_renewals_leave_the_task_alone_and_happy_events_are_posted_on_request(
 
 def test_the_operator_is_ready_only_once_its_backlog_is_projected(
         cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator]) -> None:
+    start = _in_an_hour()  # a delayed start is projected (Scheduled); a plain waiting task needs no write
     for i in range(150):
-        make_task(kube, f"backlog-{i:03d}", queue="backlog")
+        make_task(kube, f"backlog-{i:03d}", queue="backlog", notBefore=start)
     op = operator_factory("--no-leader-elect", ready_as=None)
     wait_for(lambda: op.get("/readyz")[0] == 200, timeout=120, interval=0.05, message="the operator to be ready")
-    unprojected = [t["metadata"]["name"] for t in kube.list(TASKS)["items"] if not (t.get("status") or {}).get("phase")]
+    unprojected = [t["metadata"]["name"] for t in kube.list(TASKS)["items"]
+                   if (t.get("status") or {}).get("reason") != "Scheduled"]
     assert unprojected == []
+
+
+def test_a_waiting_task_reads_pending_without_a_status_write(
+        kube: Kube, operator_factory: Callable[..., Operator]) -> None:
+    waiting = make_task(kube, "waiting", queue="quiet")
+    assert waiting["status"]["phase"] == "Pending"  # the CRD's default, served without a write
+    op = operator_factory("--no-leader-elect", ready_as=None)
+    wait_for(lambda: op.get("/readyz")[0] == 200, timeout=120, interval=0.05, message="the operator to be ready")
+    # Ready means every Task was reconciled: this one was, and needed no write.
+    assert kube.get(TASKS, "waiting")["metadata"]["resourceVersion"] == waiting["metadata"]["resourceVersion"]

@@ -30,6 +30,9 @@ def task_crd() -> dict[str, Any]:
     status_root = models.TaskStatus.model_json_schema(by_alias=True, mode="validation", ref_template="{model}")
     status = _structural(status_root, status_root.get("$defs", {}))
     status.pop("required", None)  # the operator fills it in over time
+    # A Task the operator has not written reads as the defaults (phase Pending) when served:
+    # a backlog of new Tasks costs no status write each (projection.unwritten).
+    status["default"] = {}
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

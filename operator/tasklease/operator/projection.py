@@ -59,6 +59,14 @@ def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, n
     return status
 
 
+def unwritten(old: TaskStatus, new: TaskStatus) -> bool:
+    """`old` is the CRD's default (the operator never wrote this Task) and `new` says no more
+    than it: a task still waiting for its first claim needs no write; it reads Pending. Skipping
+    this write matters at scale: each one reaches every agent watching the queue."""
+    return (old.observed_generation == 0 and new.phase is Phase.PENDING and new.reason == "Waiting"
+            and new.attempt == 0 and not new.history)
+
+
 def _retried_after(rec: LeaseRecord, old: TaskStatus) -> bool:
     """The Lease was reopened by `tasklease retry` after the attempt `old` ended with."""
     return rec.state != record.CLOSED and rec.budget_from > 0 and rec.budget_from >= old.attempt

@@ -406,7 +406,7 @@ class Reconciler:
         queue = entry.queue
         with self._cond:
             self._set_phase(key, (queue, new.phase.value))
-        if task.get("status") and projection.same(old, new):
+        if (task.get("status") and projection.same(old, new)) or projection.unwritten(old, new):
             return
         body = {**task, "status": new.model_dump(mode="json", by_alias=True, exclude_none=True)}
         try:
