@@ -270,6 +270,8 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
              for i in range(workers)]
     sync = []
     reports = []
+    plane = _control_plane(kubeconfig)
+    plane_cpu: dict[str, float] = {}
     try:
         for proc in procs:
             assert proc.stdout is not None
@@ -277,6 +279,7 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
             if not line.startswith("ready"):
                 raise RuntimeError(f"bench worker ({mode}) did not start")
             sync.append(float(line.split()[1]))
+        plane_cpu = _process_cpu_s(plane)
         started = time.time()
         go.touch()
         if on_go is not None:
@@ -284,6 +287,7 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
         for proc in procs:
             out, _ = proc.communicate(timeout=3600)
             reports.append(json.loads(out.strip().splitlines()[-1]))
+        plane_cpu = {name: used - plane_cpu.get(name, 0.0) for name, used in _process_cpu_s(plane).items()}
     finally:
         go.unlink(missing_ok=True)
         for proc in procs:  # ours: a worker left waiting for `go` would wait forever
@@ -295,7 +299,11 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
         raise RuntimeError(f"bench ({mode}): {done} of {tasks} tasks done")
     latencies = [x for r in reports for x in r["latencies"]]
     finished = max(r["last"] for r in reports)
+    workers_cpu = sum(r.get("cpu_s", 0.0) for r in reports)
     return {"rate": done / (finished - started) if done else 0.0, "done": done,
+            # Where the CPU goes, per task: on 2 shared cores this bounds every rate.
+            "cpu_ms_per_task": {name: 1000 * used / done for name, used in
+                                {**plane_cpu, "workers": workers_cpu}.items()} if done else {},
             "conflicts": sum(r["conflicts"] for r in reports), "rss_mb": max(r["rss_mb"] for r in reports),
             "sync_s": max(sync), "wakeups": [r.get("wakeups", 0) for r in reports],
             "cpu_s": [r.get("cpu_s", 0.0) for r in reports], **_percentiles(latencies)}
@@ -311,6 +319,7 @@ def _worker(args: argparse.Namespace) -> Results:
         names = [f"raw-{i:06d}" for i in range(args.index, args.tasks, args.workers)]  # no races: the floor
         print("ready 0", flush=True)
         _wait_for(args.go)
+        cpu = _cpu_s()
         for name in names:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
                     "spec": {"holderIdentity": f"w{args.index}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
@@ -321,6 +330,7 @@ def _worker(args: argparse.Namespace) -> Results:
             kube.replace(LEASES, created)
             done += 1
         last = time.time()
+        report = {"cpu_s": _cpu_s() - cpu}
     else:
         agent = Agent(kube, identity=Identity(pod=f"bench-{args.index}", instance=f"{os.getpid()}"))
         synced = time.monotonic()
@@ -373,6 +383,24 @@ def _peak_rss_mb() -> float:
 def _cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _control_plane(kubeconfig: Path) -> dict[str, int]:
+    """The bench's own control plane processes (the cluster beside its kubeconfig)."""
+    state = LocalCluster(kubeconfig.parent / "cluster").running()
+    return dict(state.pids) if state is not None else {}
+
+
+def _process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far."""
+    used = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        used[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
 
 
 def _wait_for(path: Path) -> None:
@@ -610,6 +638,12 @@ def _report(res: Results, counts: list[int]) -> None:
         raw, sdk = res["cases"][n]["raw"], res["cases"][n]["sdk"]
         print(f"{n:>6} {raw['rate']:14.1f} {sdk['rate']:12.1f} {sdk['rate'] / raw['rate']:6.2f} "
               f"{_ms(sdk.get('p50'))} {_ms(sdk.get('p95'))} {sdk['conflicts']:>5}")
+    print("\nCPU per task (ms), floor → SDK: who pays for a task on these shared cores")
+    for n in counts:
+        raw, sdk = (res["cases"][n][k].get("cpu_ms_per_task", {}) for k in ("raw", "sdk"))
+        shown = ", ".join(f"{name} {raw.get(name, math.nan):.2f} → {sdk.get(name, math.nan):.2f}"
+                          for name in sorted(set(raw) | set(sdk)))
+        print(f"{n:>6} agents: {shown}; all {sum(raw.values()):.2f} → {sum(sdk.values()):.2f}")
     print(f"\nfloors: conditional PUT {_ms(res['put_p50_s'])}, GET + PUT {_ms(res['get_put_p50_s'])}; "
           f"peers acquiring a free Lease: Python LeaderElection {_ms(res['python_le_p50_s'])}, "
           f"client-go {_ms(res['client_go_p50_s'])}; SDK claim {_ms(res['claim_p50_s'])}")
@@ -668,7 +702,13 @@ def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:
     try:
         return body(Kube.connect(kubeconfig=str(kubeconfig), namespace=name, pool_size=64))
     finally:
+        # Gone before the next case starts: deleting what a case made (30,000 Tasks, say)
+        # costs the control plane about what making it did, and must not weigh on the next.
+        began = time.monotonic()
         admin.delete(NAMESPACES, name)
+        _until(lambda: admin.get_or_none(NAMESPACES, name) is None, 3600, f"namespace {name} to be deleted", 0.5)
+        if time.monotonic() - began > 10:
+            _note(f"namespace {name} and what the case made deleted in {time.monotonic() - began:.0f} s")
 
 
 def _create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
