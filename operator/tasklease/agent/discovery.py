@@ -92,18 +92,19 @@ def divide(me: str, names: list[str], owners: Callable[[str], Ownership],
     none is ours, the others' come in the order a thief should take them (`Owner`), ours
     as deputy first, then by our weight, so that thieves too spread out."""
     ours: list[tuple[float, str]] = []  # (our weight, name): an owner's weight is the top one
-    later: list[tuple[Owner, bool, float, str]] = []  # (owner's state, not our deputyship, -our weight, name)
+    others: list[tuple[str, str, str]] = []  # (name, its owner, its deputy)
     for name in names:
         top, peer, deputy = owners(name)
         if peer == me:
             ours.append((top, name))
         else:
-            state = Owner.CLAIMING if peer in claiming else Owner.BUSY if peer in busy else Owner.IDLE
-            later.append((state, deputy != me, -weight(me, name), name))
+            others.append((name, peer, deputy))
     if ours:
         ours.sort(reverse=True)
         return Division(names=[name for _, name in ours], ours=len(ours), owner=None)
-    later.sort()
+    # Only now our weight for the others': most looks find some of their own (a hash each saved).
+    later = sorted((Owner.CLAIMING if peer in claiming else Owner.BUSY if peer in busy else Owner.IDLE,
+                    deputy != me, -weight(me, name), name) for name, peer, deputy in others)
     return Division(names=[entry[3] for entry in later], ours=0, owner=later[0][0] if later else None,
                     deputy=bool(later) and not later[0][1])
 

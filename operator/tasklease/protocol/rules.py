@@ -8,6 +8,7 @@ selectors and the chart's admission policy are checked against it case by case.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
@@ -37,6 +38,11 @@ class TaskView:
                    spec=models.TaskSpec.model_validate(task.get("spec", {})),
                    created=meta.get("creationTimestamp", ""),
                    status_attempt=int(status.get("attempt") or 0), status_phase=str(status.get("phase") or ""))
+
+    @functools.cached_property
+    def payload_too_deep(self) -> bool:
+        """Measured once per view: an agent judges the views of its window again on every look."""
+        return models.payload_depth(self.spec.payload) > models.MAX_PAYLOAD_DEPTH
 
 
 def fresh_record(task: TaskView) -> LeaseRecord:
@@ -70,7 +76,7 @@ def blocker(task: TaskView, rec: LeaseRecord | None, now: datetime) -> Blocker |
         return Blocker.CLOSED
     if task.spec.cancel:
         return Blocker.CANCELLED
-    if models.payload_depth(task.spec.payload) > models.MAX_PAYLOAD_DEPTH:
+    if task.payload_too_deep:
         return Blocker.INVALID_PAYLOAD
     if task.spec.deadline is not None and now >= task.spec.deadline:
         return Blocker.PAST_DEADLINE
