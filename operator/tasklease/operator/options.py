@@ -7,6 +7,9 @@ import argparse
 from tasklease.api import errors
 from tasklease.operator.expiry import DEFAULT_GRACE_S
 
+# Reconcile threads. A reconcile mostly waits for its status write: with 2, a loaded API
+# server (50 ms a write) held projection to about 30 tasks/s while 16 agents drained 90/s.
+DEFAULT_WORKERS = 8
 DEFAULT_COALESCE_S = 0.5  # `Reconciler.coalesce_s` for the command; the class itself coalesces nothing unless told
 
 
@@ -18,7 +21,8 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                    help=f"seconds added to leaseDurationSeconds before a silent holder is expired "
                         f"(default {DEFAULT_GRACE_S:g})")
-    p.add_argument("--workers", type=int, default=2, help="reconcile threads (default 2)")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                   help=f"reconcile threads, one task each at a time (default {DEFAULT_WORKERS})")
     p.add_argument("--coalesce", type=float, default=DEFAULT_COALESCE_S, metavar="SECONDS",
                    help="wait this long after a task's first change before projecting it, so that its "
                         f"changes meanwhile make one status write (default {DEFAULT_COALESCE_S:g})")
