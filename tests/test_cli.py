@@ -192,7 +192,7 @@ def test_global_flags_go_before_or_after_the_command(cli, cluster: Cluster, name
     assert version.returncode == 0 and version.stdout.startswith("tasklease ")
 
 
-def test_list_filters_and_formats_and_shows_no_phase_the_operator_did_not_project(  # type: ignore[no-untyped-def]
+def test_list_filters_and_formats_and_shows_the_default_phase_of_a_task_never_written(  # type: ignore[no-untyped-def]
         cli, kube: Kube) -> None:
     make_task(kube, "a1", queue="fa")
     make_task(kube, "a2", queue="fa")
@@ -200,8 +200,8 @@ def test_list_filters_and_formats_and_shows_no_phase_the_operator_did_not_projec
     kube.merge_patch(TASKS, "a2", {"metadata": {"labels": {"team": "shop"}}})
     table = cli("list").stdout.splitlines()
     assert table[0].split() == ["NAME", "QUEUE", "PHASE", "HOLDER", "ATTEMPT", "AGE"]
-    # No operator runs: there is no phase, exactly as `kubectl get tasks` shows it.
-    assert all(line.split()[2] == "<none>" for line in table[1:])
+    # No operator runs: the CRD's default status, exactly as `kubectl get tasks` shows it.
+    assert all(line.split()[2] == "Pending" for line in table[1:])
     assert sorted(x.split()[0] for x in cli("list", "--queue", "fa").stdout.splitlines()[1:]) == ["a1", "a2"]
     assert cli("list", "-l", "team=shop", "-o", "jsonpath={.items[*].metadata.name}").stdout.strip() == "a2"
     assert sorted(cli("list", "--phase", "Pending", "-o", "name").stdout.split()) == [
