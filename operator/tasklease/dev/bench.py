@@ -44,7 +44,7 @@ from tasklease.agent.sdk import Agent, ClaimedTask, Identity
 from tasklease.api import errors
 from tasklease.api.timestamps import parse_time
 from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig
+from tasklease.dev.cluster import LocalCluster, free_port, namespaced_kubeconfig, proc_stat
 from tasklease.dev.crds import apply_crds
 from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKS, Kube
 from tasklease.kube.watching import Reflector
@@ -271,7 +271,6 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
     sync = []
     reports = []
     plane = _control_plane(kubeconfig)
-    plane_cpu: dict[str, float] = {}
     try:
         for proc in procs:
             assert proc.stdout is not None
@@ -279,7 +278,7 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
             if not line.startswith("ready"):
                 raise RuntimeError(f"bench worker ({mode}) did not start")
             sync.append(float(line.split()[1]))
-        plane_cpu = _process_cpu_s(plane)
+        plane_before = _process_cpu_s(plane)
         started = time.time()
         go.touch()
         if on_go is not None:
@@ -287,7 +286,7 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
         for proc in procs:
             out, _ = proc.communicate(timeout=3600)
             reports.append(json.loads(out.strip().splitlines()[-1]))
-        plane_cpu = {name: used - plane_cpu.get(name, 0.0) for name, used in _process_cpu_s(plane).items()}
+        plane_cpu = {name: used - plane_before.get(name, 0.0) for name, used in _process_cpu_s(plane).items()}
     finally:
         go.unlink(missing_ok=True)
         for proc in procs:  # ours: a worker left waiting for `go` would wait forever
@@ -396,7 +395,7 @@ def _process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
     used = {}
     for name, pid in pids.items():
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = proc_stat(pid)
         except OSError:
             continue
         used[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -418,10 +418,15 @@ def process_alive(pid: int) -> bool:
         return True
     # A zombie child of ours is dead for our purposes.
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_stat(pid)[0] != "Z"
     except OSError:
         return True
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and
+    parentheses): [0] is the state, [11] and [12] the user and system CPU in clock ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def started_in(pid: int, workdir: Path) -> bool:
