@@ -13,7 +13,7 @@ from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
 from tasklease.api.timestamps import now_utc
-from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.kube import LEASES, PODS, TASKS, Kube
 from tasklease.protocol import TaskView
 from tasklease.protocol.rules import Blocker, blocker
 
@@ -84,9 +84,14 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     _refused(lambda: Agent(unbound, identity=Identity(pod="bob", instance="1")).claim_once("g2"),
              "must authenticate with a token bound to their Pod")
 
+    # A holder may name its pod's uid (POD_UID), and only its own.
+    bob_uid = kube.get(PODS, "bob")["metadata"]["uid"]
+    alice_uid = kube.get(PODS, "alice")["metadata"]["uid"]
+    _refused(lambda: Agent(bob_kube, identity=Identity(pod="bob", instance="1", pod_uid=alice_uid)).claim_once("g2"),
+             "only name its own pod's uid")
     # A restarted agent of the same pod may still release its previous instance's lease.
-    Agent(bob_kube, identity=Identity(pod="bob", instance="999999.1.gone")).claim_once("g2").detach()
-    assert Agent(bob_kube, identity=Identity(pod="bob", instance="2")).start() == ["second"]
+    Agent(bob_kube, identity=Identity(pod="bob", instance="999999.1.gone", pod_uid=bob_uid)).claim_once("g2").detach()
+    assert Agent(bob_kube, identity=Identity(pod="bob", instance="2", pod_uid=bob_uid)).start() == ["second"]
     alice.close()
 
 

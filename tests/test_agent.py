@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import signal
 import sys
@@ -136,17 +137,24 @@ def _requeue_now(kube: Kube, name: str) -> None:
 
 def test_a_restarting_agent_leaves_a_live_sibling_alone(kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POD_NAME", "shared-pod")
+    monkeypatch.setenv("POD_UID", "uid-now")
     make_task(kube, "sibling", queue="s")
     make_task(kube, "orphan", queue="s2")
+    make_task(kube, "inherited", queue="s3")
     sibling = Agent(kube)  # this very process: alive
     held = sibling.claim("s", timeout=30)
-    dead = Agent(kube, identity=Identity(pod="shared-pod", instance="999999.1.dead"))
+    assert held.holder.startswith("shared-pod/") and held.holder.endswith("@uid-now")
+    dead = Agent(kube, identity=Identity(pod="shared-pod", instance="999999.1.dead", pod_uid="uid-now"))
     dead.claim("s2", timeout=30).detach()  # a predecessor whose process is gone
+    # An earlier pod of the same name (a StatefulSet's): its process looks alive here (the same
+    # pid and start time as ours), but its pod uid says it is gone.
+    earlier = Agent(kube, identity=replace(sibling.identity, pod_uid="uid-before"))
+    earlier.claim("s3", timeout=30).detach()
     newcomer = Agent(kube)
-    assert newcomer.start() == ["orphan"]
+    assert sorted(newcomer.start()) == ["inherited", "orphan"]
     assert record.decode(kube.get(LEASES, "sibling")).holder == held.holder
     held.complete("still mine")
-    for a in (sibling, dead, newcomer):
+    for a in (sibling, dead, earlier, newcomer):
         a.close()
 
 

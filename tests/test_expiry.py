@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasklease.operator.expiry import DeadlineQueue, LeaseClock
+from tasklease.operator.expiry import DeadlineQueue, LeaseClock, PodsGone
 
 
 class Clock:
@@ -61,3 +61,39 @@ def test_the_deadline_queue_keeps_only_the_latest_time_per_key() -> None:
     assert queue.next_at() == 3.0
     assert queue.pop_due(10.0) == ["b"]  # the stale "a" at 5.0 never fires
     assert queue.next_at() is None
+
+
+def test_a_holder_naming_its_pod_uid_is_gone_with_that_pod_only_whatever_arrives_first() -> None:
+    clock = Clock()
+    pods: PodsGone[str] = PodsGone(clock, memory_s=3600)
+    claimed_by_new_pod = clock.now  # the new worker-0's claim is seen before the old one's deletion
+    clock.now += 5
+    assert pods.gone("worker-0", "uid-old")
+    assert not pods.gone("worker-0", "uid-old")  # told twice (terminated, then deleted): once
+    assert not pods.took("worker-0", "uid-new", first_seen=claimed_by_new_pod)
+    assert pods.took("worker-0", "uid-old", first_seen=clock.now + 1)  # even a version seen later
+    pods.alive("worker-0")  # the new pod shows up: the old one stays gone
+    assert pods.took("worker-0", "uid-old", first_seen=clock.now)
+
+
+def test_a_holder_without_a_pod_uid_is_gone_for_versions_seen_before_its_pods_name_went() -> None:
+    clock = Clock()
+    pods: PodsGone[str] = PodsGone(clock, memory_s=3600)
+    seen_before = clock.now
+    clock.now += 1
+    assert pods.gone("worker-0", "uid-old")
+    assert pods.took("worker-0", "", first_seen=seen_before)
+    assert not pods.took("worker-0", "", first_seen=clock.now + 1)  # written later: a new namesake's
+    pods.alive("worker-0")
+    assert not pods.took("worker-0", "", first_seen=seen_before)  # a pod of that name runs again
+    assert not pods.took("worker-1", "", first_seen=seen_before)
+
+
+def test_gone_pods_are_forgotten_after_the_memory() -> None:
+    clock = Clock()
+    pods: PodsGone[str] = PodsGone(clock, memory_s=60)
+    pods.gone("worker-0", "uid-old")
+    clock.now += 61
+    pods.gone("worker-1", "uid-other")  # any news prunes what is older than the memory
+    assert not pods.took("worker-0", "uid-old", first_seen=0.0)
+    assert pods.took("worker-1", "uid-other", first_seen=0.0)

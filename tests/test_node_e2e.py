@@ -243,6 +243,7 @@ def test_example_agents_become_ready_with_the_chart_service_account(e2e: E2E) ->
         assert pod["spec"]["serviceAccountName"] == "tasklease-agent"
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
 
 
 # -- 3. tasks --------------------------------------------------------------------------------------
@@ -253,15 +254,17 @@ def test_tasks_applied_with_kubectl_all_succeed(e2e: E2E) -> None:
     e2e.apply_tasks(*names)
     wait_for(lambda: all(e2e.phase(n) == "Succeeded" for n in names), timeout=180, interval=1,
              message="every task Succeeded")
-    agents = {p["metadata"]["name"] for p in e2e.json("pods", "-n", NS, "-l", f"app.kubernetes.io/name={AGENTS}")[
-        "items"]}
+    agents = {(p["metadata"]["name"], p["metadata"]["uid"][:8]) for p in e2e.json(
+        "pods", "-n", NS, "-l", f"app.kubernetes.io/name={AGENTS}")["items"]}
     holders = set()
     for name in names:
         status = e2e.task(name)["status"]
         assert status["attempt"] == 1
-        # The holder is <pod>/<instance>: POD_NAME from the downward API, and the claim got past the
-        # admission policy, which only lets a token bound to that very pod claim in its name.
-        holders.add(status["history"][0]["holder"].split("/")[0])
+        # The holder is <pod>/<instance>@<pod uid, 8 characters>: POD_NAME and POD_UID from the downward API, and
+        # the claim got past the admission policy, which only lets a token bound to that very pod
+        # claim in its name.
+        holder = status["history"][0]["holder"]
+        holders.add((holder.split("/")[0], holder.rpartition("@")[2]))
     assert holders <= agents
     if e2e.local is not None:
         # The audit log names who wrote the Leases: the chart's agent ServiceAccount, with tokens
@@ -275,7 +278,7 @@ def test_tasks_applied_with_kubectl_all_succeed(e2e: E2E) -> None:
                 writers.add((user["username"], *user.get("extra", {}).get("authentication.kubernetes.io/pod-name",
                                                                            [""])))
         agent_writers = {pod for user, pod in writers if user == f"system:serviceaccount:{NS}:tasklease-agent"}
-        assert holders <= agent_writers, writers
+        assert {pod for pod, _ in holders} <= agent_writers, writers
 
 
 def _claimed(e2e: E2E, name: str) -> str:

@@ -20,10 +20,10 @@ from tasklease.kube import LEASES, PODS, TASKS, Kube
 NO_BACKOFF = {"initialSeconds": 0, "maxSeconds": 0}
 
 
-def _hold(config: Path, queue: str, log: Path, pod: str) -> tuple[Process, dict[str, Any]]:
+def _hold(config: Path, queue: str, log: Path, pod: str, pod_uid: str = "") -> tuple[Process, dict[str, Any]]:
     """Start a test agent that claims one task of `queue` and holds it (renewing) until killed."""
     proc = Process([sys.executable, str(ROOT / "tests" / "agents" / "hold.py"), str(config), queue,
-                    str(log.with_suffix(".never"))], log=log, env={"POD_NAME": pod})
+                    str(log.with_suffix(".never"))], log=log, env={"POD_NAME": pod, "POD_UID": pod_uid})
     claimed = wait_for(lambda: [json.loads(x) for x in proc.output().splitlines() if x.startswith("{")],
                        timeout=30, message=f"{pod} to claim from {queue}")[0]
     return proc, claimed
@@ -221,6 +221,37 @@ def test_a_pod_recreated_under_the_same_name_keeps_what_it_claims_and_loses_it_w
         new.stop()
     wait_for(lambda: pod_gone_expirations() == 2, message="two pod-gone expirations counted")
     assert [a.outcome for a in _lease(kube, other).history] == ["Expired"]
+
+
+def test_a_pods_late_deletion_expires_its_own_claims_not_its_successors(
+        cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator],
+        tmp_path: Path) -> None:
+    """The race a holder's pod uid settles: the next worker-0 (a StatefulSet's) claims while the
+    deletion of the old worker-0 has not reached the operator yet. By name and time alone, the
+    successor's claim would be expired with its predecessor's."""
+    operator = operator_factory("--no-leader-elect", "--workers", "1")  # one at a time, in order
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    make_task(kube, "successors", queue="next", leaseDurationSeconds=120, maxAttempts=1)
+    make_task(kube, "predecessors", queue="old", leaseDurationSeconds=120, maxAttempts=1)
+    old_uid = _agent_pod(kube, "worker-0")["metadata"]["uid"]
+    # The successor's Pod object is not there yet; its agent names the uid it will have.
+    new, new_claim = _hold(config, "next", tmp_path / "new.log", "worker-0", pod_uid="the-next-worker-0")
+    old, old_claim = _hold(config, "old", tmp_path / "old.log", "worker-0", pod_uid=old_uid)
+    try:
+        assert new_claim["holder"].endswith("@the-next") and old_claim["holder"].endswith(f"@{old_uid[:8]}")
+        for name, claim in (("successors", new_claim), ("predecessors", old_claim)):
+            wait_for(lambda n=name, c=claim: (kube.get(TASKS, n).get("status") or {}).get("holder") == c["holder"],
+                     message=f"the operator to project the claim of {name}")
+        kube.delete(PODS, "worker-0")  # the old pod goes
+        # Both leases are looked at, the successor's first (it was seen first): once the
+        # predecessor's is expired, the successor's has been judged.
+        wait_for(lambda: _lease(kube, "predecessors").state != record.HELD, message="the old pod's claim expired")
+        assert _lease(kube, "successors").holder == new_claim["holder"]
+        assert operator.metric(
+            f'tasklease_expirations_total{{cause="pod-gone",namespace="{namespace}",queue="next"}}') == 0
+    finally:
+        new.stop()
+        old.stop()
 
 
 def test_at_idle_the_operator_makes_no_request_but_its_watches(

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from tasklease.agent import Identity
 from tasklease.api import models
 from tasklease.protocol import record
 from tasklease.protocol.rules import Blocker, TaskView, blocker, claimed, requeued, why_not_claimable
@@ -153,3 +154,21 @@ def test_a_patch_owns_every_label_and_annotation_a_record_writes() -> None:
     assert set(meta["annotations"]) <= set(record.OWNED_ANNOTATIONS)
     assert set(meta["labels"]) <= set(record.OWNED_LABELS)
     assert set(meta["annotations"]) == set(record.OWNED_ANNOTATIONS)  # the record above sets them all
+
+
+@pytest.mark.parametrize("holder, pod, instance, uid", [
+    ("worker-0/12.345.ab12@0c5e6a1e", "worker-0", "12.345.ab12@0c5e6a1e", "0c5e6a1e"),
+    ("worker-0/12.345.ab12", "worker-0", "12.345.ab12", ""),  # an agent without POD_UID
+    ("cli-pod/shell.0a1b2c3d@uid-1", "cli-pod", "shell.0a1b2c3d@uid-1", "uid-1"),
+])
+def test_a_holder_names_its_pod_its_instance_and_perhaps_its_pod_uid(holder: str, pod: str, instance: str,
+                                                                      uid: str) -> None:
+    assert (record.holder_pod(holder), record.holder_instance(holder), record.holder_pod_uid(holder)) == (
+        pod, instance, uid)
+
+
+def test_a_holder_names_its_pod_by_the_first_8_characters_of_its_uid() -> None:
+    uid = "0c5e6a1e-7f1f-4b59-9a57-2b1e3a3c9d10"
+    holder = Identity(pod="worker-0", instance="12.345.ab12", pod_uid=uid).holder
+    assert holder == "worker-0/12.345.ab12@0c5e6a1e" and record.holder_pod_uid(holder) == record.short_uid(uid)
+    assert Identity(pod="worker-0", instance="12.345.ab12").holder == "worker-0/12.345.ab12"

@@ -58,29 +58,35 @@ _DEFAULT_PRIORITY = int(models.TaskSpec.model_fields["priority"].default)
 
 @dataclass(frozen=True)
 class Identity:
-    """`<pod>/<instance>`: the pod survives restarts of the process, the instance does not.
+    """`<pod>/<instance>[@<pod uid>]`: the pod survives restarts of the process, the instance does not.
 
     The instance is `<pid>.<start time>.<random>`, so that an agent starting in a pod can
     tell a dead predecessor (release its leases at once) from a live sibling process in
     the same container (leave it alone). Agents in *different* containers of one pod cannot
-    see each other's processes: give each container its own TASKLEASE_AGENT_ID."""
+    see each other's processes: give each container its own TASKLEASE_AGENT_ID.
+
+    The pod's uid (POD_UID, from the downward API) tells this pod from an earlier or later
+    one of the same name (a StatefulSet's): the operator requeues a holder's tasks when *its*
+    Pod goes, never because an older namesake went."""
 
     pod: str
     instance: str
+    pod_uid: str = ""
 
     @classmethod
     def from_environment(cls, *, handed_over: bool = False) -> Identity:
         """`handed_over`: for a claim passed on to a shell script (`tasklease claim`), whose
         process lives on after ours: `start()` of a later agent never releases it."""
         pod = os.environ.get("TASKLEASE_AGENT_ID") or os.environ.get("POD_NAME") or socket.gethostname()
+        pod_uid = os.environ.get("POD_UID", "")
         if handed_over:
-            return cls(pod=pod, instance=f"shell.{uuid.uuid4().hex[:8]}")
+            return cls(pod=pod, instance=f"shell.{uuid.uuid4().hex[:8]}", pod_uid=pod_uid)
         pid = os.getpid()
-        return cls(pod=pod, instance=f"{pid}.{_start_ticks(pid)}.{uuid.uuid4().hex[:4]}")
+        return cls(pod=pod, instance=f"{pid}.{_start_ticks(pid)}.{uuid.uuid4().hex[:4]}", pod_uid=pod_uid)
 
     @property
     def holder(self) -> str:
-        return f"{self.pod}/{self.instance}"
+        return f"{self.pod}/{self.instance}" + (f"@{record.short_uid(self.pod_uid)}" if self.pod_uid else "")
 
 
 def instance_gone(instance: str) -> bool:
@@ -406,7 +412,10 @@ class Agent:
             rec = record.decode(obj)
             if rec.state != record.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
                 continue
-            if not instance_gone(record.holder_instance(rec.holder)):
+            # An earlier pod of our name (another uid) is gone for sure; in this pod, ask /proc.
+            ours, theirs = record.short_uid(self.identity.pod_uid), rec.holder_pod_uid
+            earlier_pod = bool(ours and theirs) and ours != theirs
+            if not earlier_pod and not instance_gone(record.holder_instance(rec.holder)):
                 continue  # a sibling process in this container, not a dead predecessor
             try:
                 self.protocol.release(self.protocol.held_from(rec), f"its agent restarted as {self.identity.holder}")

@@ -7,6 +7,8 @@ Lease; the lease is expired when that version has stood unchanged for
 `leaseDurationSeconds + grace` seconds as measured here. A restarted operator has seen
 nothing yet, so every held lease gets a full duration again.
 
+`PodsGone` decides the other cause of expiry: the holder's own Pod went away.
+
 `DeadlineQueue` is the one timer of the operator: a heap of (when, key) fed by watch
 events, instead of one asyncio task or kopf timer per object.
 """
@@ -71,6 +73,47 @@ class LeaseClock(Generic[K]):
         """Give every held lease a full duration from now (a new leader knows nothing)."""
         now = self.monotonic()
         self._seen = {k: Observation(o.resource_version, now, o.duration_s) for k, o in self._seen.items()}
+
+
+class PodsGone(Generic[K]):
+    """Which Pods went away (deleted or terminated), for the pod-gone fast path: is a Lease's
+    holder one of them?
+
+    A holder that names its Pod's uid (`<pod>/<instance>@<uid>`) is judged by that uid, which
+    no later Pod ever has: a StatefulSet's pod recreated under the same name is not taken for
+    the one that went, whichever watch (Pods or Leases) tells us first. A holder without one
+    is judged by time: only Lease versions first seen before its Pod's name went away are its."""
+
+    def __init__(self, monotonic: Monotonic, *, memory_s: float) -> None:
+        self.monotonic = monotonic
+        self.memory_s = memory_s  # longer than any lease duration; then forgotten
+        self._names: dict[K, float] = {}  # pod → when we last saw one of that name go
+        self._uids: dict[str, float] = {}  # uid → when we saw it go
+
+    def gone(self, pod: K, uid: str) -> bool:
+        """The Pod named `pod` with uid `uid` went away. True the first time we hear of it."""
+        self._forget_old()
+        if uid in self._uids:
+            return False
+        self._uids[uid] = self._names[pod] = self.monotonic()
+        return True
+
+    def alive(self, pod: K) -> None:
+        """A Pod of this name runs: from now on, holders that name no uid are its."""
+        self._forget_old()
+        self._names.pop(pod, None)
+
+    def took(self, pod: K, uid: str, *, first_seen: float) -> bool:
+        """Is the holder of a Lease version first seen at `first_seen` (monotonic) gone with its Pod?"""
+        if uid:
+            return uid in self._uids
+        gone_at = self._names.get(pod)
+        return gone_at is not None and first_seen <= gone_at
+
+    def _forget_old(self) -> None:
+        cutoff = self.monotonic() - self.memory_s
+        self._names = {k: at for k, at in self._names.items() if at >= cutoff}
+        self._uids = {k: at for k, at in self._uids.items() if at >= cutoff}
 
 
 class DeadlineQueue(Generic[K]):

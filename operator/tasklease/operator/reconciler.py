@@ -34,7 +34,7 @@ from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, metrics, projection
 from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
-from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic
+from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic, PodsGone
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
 from tasklease.protocol import LeaseRecord, Protocol, TaskView
 from tasklease.protocol.rules import Blocker, blocker, invalid_payload
@@ -74,7 +74,7 @@ class Reconciler:
         self._backlog: set[Key] | None = None  # None: not counted yet
         self._tasks: dict[Key, SlimTask] = {}
         self._leases: dict[Key, SlimLease] = {}
-        self._pods_gone: dict[Key, float] = {}  # pod → when (monotonic) we saw it deleted or terminated
+        self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
         self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
         self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic, grace_s=grace_s)
@@ -150,26 +150,21 @@ class Reconciler:
         meta = obj["metadata"]
         pod = (meta["namespace"], meta["name"])
         alive = kind != "DELETED" and (obj.get("status") or {}).get("phase") not in _TERMINATED_POD_PHASES
-        now = self.monotonic()
         with self._cond:
-            for old in [p for p, at in self._pods_gone.items() if now - at > _POD_MEMORY_S]:
-                del self._pods_gone[old]
             if alive:
                 # A new pod of the same name (a StatefulSet's) is not the one that went away.
-                self._pods_gone.pop(pod, None)
+                self._pods_gone.alive(pod)
                 return
-            if pod in self._pods_gone:
+            if not self._pods_gone.gone(pod, record.short_uid(str(meta.get("uid", "")))):
                 return
-            self._pods_gone[pod] = now
             for key, lease in self._leases.items():
                 if key[0] == pod[0] and lease.held_by_pod == pod[1]:
                     self._enqueue(key)
 
     def _holder_pod_gone(self, key: Key, rec: LeaseRecord) -> bool:
-        """Caller holds the lock. True when the holder's Pod went away *after* we saw this
-        version of its Lease: a Lease written later may come from a new pod of the same name."""
-        gone_at = self._pods_gone.get((rec.namespace, rec.holder_pod))
-        return gone_at is not None and self.monotonic() - self._lease_clock.silent_for(key) <= gone_at
+        """Caller holds the lock. True when the holder's own Pod went away (`PodsGone`)."""
+        return self._pods_gone.took((rec.namespace, rec.holder_pod), rec.holder_pod_uid,
+                                    first_seen=self.monotonic() - self._lease_clock.silent_for(key))
 
     def activate(self) -> None:
         """Start acting (we lead): every held lease gets a full duration from now. The Leases

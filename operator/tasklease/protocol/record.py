@@ -75,15 +75,32 @@ class LeaseRecord:
     def holder_pod(self) -> str:
         return holder_pod(self.holder)
 
+    @property
+    def holder_pod_uid(self) -> str:
+        return holder_pod_uid(self.holder)
+
 
 def holder_pod(holder: str) -> str:
-    """`<pod>/<instance>` → `<pod>`."""
+    """`<pod>/<instance>[@<pod uid>]` → `<pod>`."""
     return holder.rsplit("/", 1)[0] if "/" in holder else holder
 
 
 def holder_instance(holder: str) -> str:
-    """`<pod>/<instance>` → `<instance>`."""
+    """`<pod>/<instance>[@<pod uid>]` → `<instance>[@<pod uid>]`."""
     return holder.rsplit("/", 1)[1] if "/" in holder else ""
+
+
+def holder_pod_uid(holder: str) -> str:
+    """`<pod>/<instance>@<pod uid>` → `<pod uid>` (its `short_uid`); "" for a holder that names
+    no uid (an agent without POD_UID). It tells a pod from a later one of the same name."""
+    instance = holder_instance(holder)
+    return instance.rpartition("@")[2] if "@" in instance else ""
+
+
+def short_uid(uid: str) -> str:
+    """How a holder names its pod's uid: the first 8 characters (of a random UUID) tell a pod
+    from its namesakes, and keep the HOLDER column of `kubectl get tasks` readable."""
+    return uid[:8]
 
 
 def decode(lease: JSON) -> LeaseRecord:
