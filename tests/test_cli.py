@@ -58,17 +58,20 @@ def test_submit_list_get_and_a_shell_agent_completing_it(cli, kube: Kube) -> Non
     assert json.loads(cli("get", "hello", "-o", "json").stdout)["spec"]["payload"] == {"who": "world"}
 
 
-def test_claim_renew_complete_from_a_shell_script(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+def test_claim_renew_complete_from_a_shell_script(cli, cluster: Cluster, namespace: str,  # type: ignore[no-untyped-def]
+                                                  kube: Kube) -> None:
     make_task(kube, "scripted", queue="manual")
+    # The kubeconfig's namespace is another one: renew and complete find the task in the
+    # namespace claim exported (TASKLEASE_NAMESPACE), as -n said.
     script = f"""
 set -e
-eval "$({' '.join(tasklease_cmd())} claim --queue manual --format env)"
+eval "$({' '.join(tasklease_cmd())} claim -n {namespace} --queue manual --format env)"
 {' '.join(tasklease_cmd())} renew
 {' '.join(tasklease_cmd())} complete --result "done by $TASKLEASE_HOLDER"
 echo "$TASKLEASE_EPOCH"
 """
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
-                         env={"KUBECONFIG": str(cli.kubeconfig), "PATH": "/usr/bin:/bin"})
+                         env={"KUBECONFIG": str(cluster.kubeconfig), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
     assert record.decode(kube.get(LEASES, "scripted")).result.startswith("done by ")

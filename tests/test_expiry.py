@@ -97,3 +97,10 @@ def test_gone_pods_are_forgotten_after_the_memory() -> None:
     pods.gone("worker-1", "uid-other")  # any news prunes what is older than the memory
     assert not pods.took("worker-0", "uid-old", first_seen=0.0)
     assert pods.took("worker-1", "uid-other", first_seen=0.0)
+
+
+def test_a_uid_is_judged_with_its_pods_name() -> None:
+    clock = Clock()
+    pods: PodsGone[str] = PodsGone(clock, memory_s=3600)
+    pods.gone("worker-0", "0c5e6a1e")
+    assert not pods.took("worker-1", "0c5e6a1e", first_seen=0.0)  # another pod whose uid starts alike

@@ -76,7 +76,8 @@ class Identity:
     @classmethod
     def from_environment(cls, *, handed_over: bool = False) -> Identity:
         """`handed_over`: for a claim passed on to a shell script (`tasklease claim`), whose
-        process lives on after ours: `start()` of a later agent never releases it."""
+        process lives on after ours: `start()` of a later agent in this pod never releases it
+        (one in a later pod of the same name, another POD_UID, does: that pod is gone)."""
         pod = os.environ.get("TASKLEASE_AGENT_ID") or os.environ.get("POD_NAME") or socket.gethostname()
         pod_uid = os.environ.get("POD_UID", "")
         if handed_over:
@@ -404,8 +405,9 @@ class Agent:
         return cls(Kube.connect(kubeconfig=kubeconfig, namespace=namespace), **kwargs)
 
     def start(self) -> list[str]:
-        """The live check (I5): release at once every lease an older instance of this pod
-        still holds, instead of letting it wait out its duration. Returns their names."""
+        """The live check (I5): release at once every lease an older instance of this pod, or
+        an earlier pod of its name, still holds, instead of letting it wait out its duration.
+        Returns their names."""
         selector = f"{record.LABEL_HOLDER_POD}={record.label_value(self.identity.pod)}"
         released = []
         for obj in self.kube.list(LEASES, namespace=self.namespace, label_selector=selector).get("items", []):
@@ -421,7 +423,8 @@ class Agent:
                 self.protocol.release(self.protocol.held_from(rec), f"its agent restarted as {self.identity.holder}")
             except errors.LostLease:
                 continue
-            log.info("released %s/%s: held by %s, an older instance of this pod", rec.namespace, rec.name, rec.holder)
+            log.info("released %s/%s: held by %s, %s", rec.namespace, rec.name, rec.holder,
+                     "an earlier pod of this name" if earlier_pod else "an older instance of this pod")
             released.append(rec.name)
         return released
 

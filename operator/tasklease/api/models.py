@@ -165,7 +165,8 @@ class TaskStatus(_Model):
     phase: Phase = Field(default=Phase.PENDING, description="Pending, Running, Succeeded, Failed or Cancelled.")
     reason: str = Field(default="", max_length=64,
                         description="Why the phase is what it is, e.g. DeadLettered, Expired, BackingOff.")
-    holder: str = Field(default="", max_length=512, description="The agent holding the lease: <pod>/<instance>.")
+    holder: str = Field(default="", max_length=512,
+                        description="The agent holding the lease: <pod>/<instance>[@<pod uid, first 8 characters>].")
     attempt: int = Field(default=0, ge=0, description="The current attempt: the fencing epoch of its claim.")
     claimed_at: datetime | None = None
     completed_at: datetime | None = None

@@ -138,10 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", required=True)
     p.add_argument("--wait", type=float, default=0, help="seconds to wait for a task (default: do not wait)")
     p.add_argument("--format", choices=["json", "env"], default="json",
-                   help="json, or shell `export` lines for eval (TASKLEASE_TASK, _EPOCH, _HOLDER, _PAYLOAD)")
+                   help="json, or shell `export` lines for eval "
+                        "(TASKLEASE_TASK, _NAMESPACE, _EPOCH, _HOLDER, _PAYLOAD)")
 
     for name, help, handler, example in (
-            ("renew", "renew a held lease", cmd_renew, "tasklease renew  # uses $TASKLEASE_TASK/_HOLDER/_EPOCH"),
+            ("renew", "renew a held lease", cmd_renew,
+             "tasklease renew  # uses $TASKLEASE_TASK/_NAMESPACE/_HOLDER/_EPOCH"),
             ("complete", "complete a held task with a result", cmd_complete, "tasklease complete --result done"),
             ("fail", "fail the current attempt (retried with backoff unless --final)", cmd_fail,
              "tasklease fail -m 'upstream said 503'"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -96,6 +97,8 @@ def _held_by_args(args: argparse.Namespace) -> tuple[Kube, Protocol]:
     if not args.name or not args.holder or args.epoch is None:
         raise errors.Invalid("need the task name, --holder and --epoch (or TASKLEASE_TASK, TASKLEASE_HOLDER "
                              "and TASKLEASE_EPOCH) as printed by `tasklease claim`")
+    # Like the name, holder and epoch: the namespace `claim --format env` printed, unless -n says.
+    args.namespace = args.namespace or os.environ.get("TASKLEASE_NAMESPACE") or None
     kube = kube_of(args)
     return kube, Protocol(kube)
 

@@ -79,23 +79,24 @@ class PodsGone(Generic[K]):
     """Which Pods went away (deleted or terminated), for the pod-gone fast path: is a Lease's
     holder one of them?
 
-    A holder that names its Pod's uid (`<pod>/<instance>@<uid>`) is judged by that uid, which
-    no later Pod ever has: a StatefulSet's pod recreated under the same name is not taken for
-    the one that went, whichever watch (Pods or Leases) tells us first. A holder without one
-    is judged by time: only Lease versions first seen before its Pod's name went away are its."""
+    A holder that names its Pod's uid (`<pod>/<instance>@<uid>`, the uid's first characters)
+    is judged by its pod and that uid, which a later Pod of the same name does not have: a
+    StatefulSet's pod recreated under the same name is not taken for the one that went,
+    whichever watch (Pods or Leases) tells us first. A holder without one is judged by time:
+    only Lease versions first seen before its Pod's name went away are its."""
 
     def __init__(self, monotonic: Monotonic, *, memory_s: float) -> None:
         self.monotonic = monotonic
         self.memory_s = memory_s  # longer than any lease duration; then forgotten
         self._names: dict[K, float] = {}  # pod → when we last saw one of that name go
-        self._uids: dict[str, float] = {}  # uid → when we saw it go
+        self._uids: dict[tuple[K, str], float] = {}  # (pod, uid) → when we saw it go
 
     def gone(self, pod: K, uid: str) -> bool:
         """The Pod named `pod` with uid `uid` went away. True the first time we hear of it."""
         self._forget_old()
-        if uid in self._uids:
+        if (pod, uid) in self._uids:
             return False
-        self._uids[uid] = self._names[pod] = self.monotonic()
+        self._uids[(pod, uid)] = self._names[pod] = self.monotonic()
         return True
 
     def alive(self, pod: K) -> None:
@@ -106,7 +107,7 @@ class PodsGone(Generic[K]):
     def took(self, pod: K, uid: str, *, first_seen: float) -> bool:
         """Is the holder of a Lease version first seen at `first_seen` (monotonic) gone with its Pod?"""
         if uid:
-            return uid in self._uids
+            return (pod, uid) in self._uids
         gone_at = self._names.get(pod)
         return gone_at is not None and first_seen <= gone_at
 
