@@ -269,6 +269,8 @@ def test_help_says_what_each_command_does_with_an_example_and_the_codes_once(cli
         text = cli(command, "--help").stdout
         assert "example:\n  " in text and "tasklease " + command in text.split("example:")[1], command
         assert "exit codes: see `tasklease --help`" in text and "  9  refused" not in text, command
+    # What `claim --format env` exported is where the held verbs look first.
+    assert "default: $TASKLEASE_NAMESPACE" in " ".join(cli("renew", "--help").stdout.split())
 
 
 def test_a_result_over_the_limit_is_refused_and_the_task_stays_held(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]

@@ -59,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _add_common(p: argparse.ArgumentParser, *, sub: bool, namespace: bool = True) -> None:
+def _add_common(p: argparse.ArgumentParser, *, sub: bool, namespace: bool = True,
+                namespace_default: str = "the kubeconfig context's, or the pod's") -> None:
     """The global flags. On a subcommand they default to SUPPRESS, so `tasklease -n NS list`
     and `tasklease list -n NS` both work and neither erases the other."""
     kw: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
@@ -70,7 +71,7 @@ def _add_common(p: argparse.ArgumentParser, *, sub: bool, namespace: bool = True
     else:
         p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     if namespace:
-        p.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's, or the pod's)", **kw)
+        p.add_argument("-n", "--namespace", help=f"namespace (default: {namespace_default})", **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,13 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(parser, sub=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, handler: Any, example: str) -> argparse.ArgumentParser:
+    def command(name: str, help: str, handler: Any, example: str, **common: Any) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
                            epilog=f"example:\n  {example}\n\n{_SEE_CODES}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(handler=handler)
         # The operator's -n restricts what it watches (kopf's convention): its own flag.
-        _add_common(p, sub=True, namespace=name != "operator")
+        _add_common(p, sub=True, namespace=name != "operator", **common)
         return p
 
     p = command("submit", "create tasks, from flags or from YAML files (-f); existing names are reported, "
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("fail", "fail the current attempt (retried with backoff unless --final)", cmd_fail,
              "tasklease fail -m 'upstream said 503'"),
             ("release", "give a held task back at once, without backoff", cmd_release, "tasklease release")):
-        p = command(name, help, handler, example)
+        p = command(name, help, handler, example,
+                    namespace_default="$TASKLEASE_NAMESPACE, else the kubeconfig context's or the pod's")
         p.add_argument("name", nargs="?", default=os.environ.get("TASKLEASE_TASK"),
                        help="task name (default: $TASKLEASE_TASK)")
         p.add_argument("--holder", default=os.environ.get("TASKLEASE_HOLDER"),
