@@ -22,6 +22,8 @@ def test_a_lease_expires_after_duration_plus_grace_of_one_unchanged_version() ->
     clock.now += 0.1
     assert leases.expired("t", "rv1")
     assert leases.silent_for("t") == 12.0
+    assert leases.first_seen("t") == 100.0
+    assert leases.first_seen("other") is None
     assert leases.expires_at("t") == 112.0
 
 

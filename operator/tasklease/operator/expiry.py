@@ -69,6 +69,11 @@ class LeaseClock(Generic[K]):
         seen = self._seen.get(key)
         return 0.0 if seen is None else self.monotonic() - seen.first_seen
 
+    def first_seen(self, key: K) -> float | None:
+        """When the held version we last saw was first seen (monotonic); None if none is held."""
+        seen = self._seen.get(key)
+        return None if seen is None else seen.first_seen
+
     def restart_all(self) -> None:
         """Give every held lease a full duration from now (a new leader knows nothing)."""
         now = self.monotonic()

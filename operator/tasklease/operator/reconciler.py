@@ -163,8 +163,9 @@ class Reconciler:
 
     def _holder_pod_gone(self, key: Key, rec: LeaseRecord) -> bool:
         """Caller holds the lock. True when the holder's own Pod went away (`PodsGone`)."""
-        return self._pods_gone.took((rec.namespace, rec.holder_pod), rec.holder_pod_uid,
-                                    first_seen=self.monotonic() - self._lease_clock.silent_for(key))
+        first_seen = self._lease_clock.first_seen(key)
+        return first_seen is not None and self._pods_gone.took((rec.namespace, rec.holder_pod), rec.holder_pod_uid,
+                                                               first_seen=first_seen)
 
     def activate(self) -> None:
         """Start acting (we lead): every held lease gets a full duration from now. The Leases
