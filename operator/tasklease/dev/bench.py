@@ -203,9 +203,14 @@ def _bench(args: argparse.Namespace, state: ClusterState) -> int:
 # -- floors and peers -------------------------------------------------------------------------------
 
 
+def _floor_lease(kube: Kube) -> JSON:
+    """The bare Lease the PUT floors write: no labels, no owner, watched by nobody."""
+    return kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                "metadata": {"name": "floor"}, "spec": {"holderIdentity": "bench"}})
+
+
 def _floors(kube: Kube, *, rounds: int = 200) -> Results:
-    lease = kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                                 "metadata": {"name": "floor"}, "spec": {"holderIdentity": "bench"}})
+    lease = _floor_lease(kube)
     put: list[float] = []
     get_put: list[float] = []
     for i in range(rounds):  # interleaved, so that a busy moment weighs on both alike
@@ -226,8 +231,7 @@ def _claims_beside_puts(kube: Kube, *, rounds: int = 200) -> Results:
     conditional PUT, before it or after it in turn: the agent's own watch traffic and the API
     server's work for its last write weigh on both alike, which an idle PUT does not share."""
     _create_tasks(kube, rounds, queue="beside")
-    lease = kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                                 "metadata": {"name": "floor"}, "spec": {"holderIdentity": "bench"}})
+    lease = _floor_lease(kube)
     agent = Agent(kube, identity=Identity(pod="bench", instance="beside"))
     agent.watch("beside")
     claim = agent.protocol.claim
