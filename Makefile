@@ -59,5 +59,7 @@ chaos: build ## 1,000 tasks, 6 agents, 2 operators under random kill -9/SIGSTOP/
 bench: build ## claim throughput and time-to-requeue, beside a baseline measured in the same run
 	$(PY) -m tasklease.dev.bench
 
-clean: cluster-down ## remove .cache/ and the virtualenv (the cached binaries stay)
+clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (binaries stay)
+	for w in .cache/test-cluster .cache/bench/cluster .cache/chaos/cluster; do \
+	  test ! -d $$w || $(LOCAL) --workdir $$w --kubeconfig $$w/kubeconfig down; done
 	rm -rf .cache $(VENV)

@@ -135,6 +135,28 @@ def _requeue_now(kube: Kube, name: str) -> None:
     protocol.requeue(TaskView.of(kube.get(TASKS, name)), protocol.read(kube.namespace, name))
 
 
+def test_agents_in_two_containers_of_one_pod_release_only_their_own_dead_instances(
+        kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "two-containers")
+    monkeypatch.setenv("TASKLEASE_AGENT_ID", "left")
+    for name in ("left-task", "right-task"):
+        make_task(kube, name, queue=name)
+    # Both instances look dead from here; only the left one is in this container.
+    for container in ("left", "right"):
+        gone = Agent(kube, identity=Identity(pod="two-containers", instance=f"{container}:999999.1.dead"))
+        gone.claim(f"{container}-task", timeout=30).detach()
+        gone.close()
+    newcomer = Agent(kube)
+    assert newcomer.identity.holder.startswith("two-containers/left:")  # the pod part is the pod's name
+    assert newcomer.start() == ["left-task"]
+    assert record.decode(kube.get(LEASES, "right-task")).holder == "two-containers/right:999999.1.dead"
+    newcomer.close()
+
+    monkeypatch.setenv("TASKLEASE_AGENT_ID", "left/right")
+    with pytest.raises(errors.Invalid, match="TASKLEASE_AGENT_ID"):
+        Agent(kube)
+
+
 def test_a_restarting_agent_leaves_a_live_sibling_alone(kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POD_NAME", "shared-pod")
     monkeypatch.setenv("POD_UID", "uid-now")

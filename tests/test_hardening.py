@@ -312,7 +312,7 @@ def test_a_zombie_process_counts_as_gone() -> None:
     instance = f"{child.pid}.{ticks}.abcd"
     assert not instance_gone(instance)  # running
     wait_for(lambda: _zombie(child.pid), timeout=10, message="the child to exit")  # not reaped: a zombie
-    assert instance_gone(instance)
+    assert instance_gone(instance) and instance_gone(f"worker:{instance}")  # a container-named instance too
     child.wait()
 
 

@@ -21,6 +21,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -53,6 +54,7 @@ _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not w
 _STOP_CHECK_S = 0.5
 _FINISH_TRIES = 3
 _CLI_PAGE = 20  # Tasks per page read by the one-shot claim: a page of 50 took a third of a GET+PUT longer
+_CONTAINER = re.compile(r"[A-Za-z0-9._-]+")  # no '/', ':' or '@': they separate a holder's parts
 _DEFAULT_PRIORITY = int(models.TaskSpec.model_fields["priority"].default)
 
 
@@ -60,10 +62,12 @@ _DEFAULT_PRIORITY = int(models.TaskSpec.model_fields["priority"].default)
 class Identity:
     """`<pod>/<instance>[@<pod uid>]`: the pod survives restarts of the process, the instance does not.
 
-    The instance is `<pid>.<start time>.<random>`, so that an agent starting in a pod can
-    tell a dead predecessor (release its leases at once) from a live sibling process in
-    the same container (leave it alone). Agents in *different* containers of one pod cannot
-    see each other's processes: give each container its own TASKLEASE_AGENT_ID.
+    The instance is `[<container>:]<pid>.<start time>.<random>`, so that an agent starting
+    in a pod can tell a dead predecessor (release its leases at once) from a live sibling
+    process in the same container (leave it alone). Agents in *different* containers of one
+    pod cannot see each other's processes: each container names itself (TASKLEASE_AGENT_ID),
+    and an agent judges only the instances of its own container. The pod part stays the
+    pod's name, which the chart's admission policy and the operator's pod-gone path expect.
 
     The pod's uid (POD_UID, from the downward API) tells this pod from an earlier or later
     one of the same name (a StatefulSet's): the operator requeues a holder's tasks when *its*
@@ -78,23 +82,34 @@ class Identity:
         """`handed_over`: for a claim passed on to a shell script (`tasklease claim`), whose
         process lives on after ours: `start()` of a later agent in this pod never releases it
         (one in a later pod of the same name, another POD_UID, does: that pod is gone)."""
-        pod = os.environ.get("TASKLEASE_AGENT_ID") or os.environ.get("POD_NAME") or socket.gethostname()
+        pod = os.environ.get("POD_NAME") or socket.gethostname()
         pod_uid = os.environ.get("POD_UID", "")
+        container = os.environ.get("TASKLEASE_AGENT_ID", "")
+        if container and not _CONTAINER.fullmatch(container):
+            raise errors.Invalid(f"TASKLEASE_AGENT_ID={container!r}: use letters, digits, '.', '_' and '-' "
+                                 "(it names this container within its pod)")
+        prefix = f"{container}:" if container else ""
         if handed_over:
-            return cls(pod=pod, instance=f"shell.{uuid.uuid4().hex[:8]}", pod_uid=pod_uid)
+            return cls(pod=pod, instance=f"{prefix}shell.{uuid.uuid4().hex[:8]}", pod_uid=pod_uid)
         pid = os.getpid()
-        return cls(pod=pod, instance=f"{pid}.{_start_ticks(pid)}.{uuid.uuid4().hex[:4]}", pod_uid=pod_uid)
+        return cls(pod=pod, instance=f"{prefix}{pid}.{_start_ticks(pid)}.{uuid.uuid4().hex[:4]}", pod_uid=pod_uid)
 
     @property
     def holder(self) -> str:
         return f"{self.pod}/{self.instance}" + (f"@{record.short_uid(self.pod_uid)}" if self.pod_uid else "")
 
 
+def container_of(instance: str) -> str:
+    """`<container>:<process part>` → `<container>`; "" for an agent that names none."""
+    return instance.partition(":")[0] if ":" in instance else ""
+
+
 def instance_gone(instance: str) -> bool:
     """True only when we know the process that used `instance` no longer runs here: its pid
     is free or reused (another start time). Anything else (a `tasklease claim` whose shell
-    script carries on, a start time this system cannot tell) counts as alive."""
-    pid, _, rest = instance.partition(".")
+    script carries on, a start time this system cannot tell) counts as alive. The caller
+    asks only about instances of its own container: another container's pids mean nothing here."""
+    pid, _, rest = instance.rpartition(":")[2].partition(".")
     ticks = rest.partition(".")[0]
     if not pid.isdigit() or not ticks.isdigit() or not _start_ticks(os.getpid()):
         return False
@@ -417,8 +432,10 @@ class Agent:
             # An earlier pod of our name (another uid) is gone for sure; in this pod, ask /proc.
             ours, theirs = record.short_uid(self.identity.pod_uid), rec.holder_pod_uid
             earlier_pod = bool(ours and theirs) and ours != theirs
-            if not earlier_pod and not instance_gone(record.holder_instance(rec.holder)):
-                continue  # a sibling process in this container, not a dead predecessor
+            instance = record.holder_instance(rec.holder)
+            if not earlier_pod and (container_of(instance) != container_of(self.identity.instance)
+                                    or not instance_gone(instance)):
+                continue  # another container's agent, or a sibling process in ours: not a dead predecessor
             try:
                 self.protocol.release(self.protocol.held_from(rec), f"its agent restarted as {self.identity.holder}")
             except errors.LostLease:

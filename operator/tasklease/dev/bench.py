@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args, cluster.up())
     finally:
         cluster.down()
+        shutil.rmtree(bench_dir, ignore_errors=True)  # the namespaces' kubeconfigs too
 
 
 def _bench(args: argparse.Namespace, state: ClusterState) -> int:
@@ -287,7 +288,7 @@ def _client_go(kube: Kube, *, kubeconfig: Path, rounds: int = 20) -> float | Non
     binary = _build_client_go()
     if binary is None:
         return None
-    config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+    config = _namespace_config(kube, kubeconfig)
     done = subprocess.run([str(binary), str(config), kube.namespace, str(rounds)], capture_output=True, text=True,
                           timeout=300, check=True)
     return float(statistics.median(json.loads(done.stdout)["latencies"]))
@@ -319,9 +320,11 @@ def _sdk_case(kube: Kube, *, kubeconfig: Path, workers: int, depth: int, drain: 
 
 
 def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
-                 seconds: float = 0.0, on_go: Callable[[], None] | None = None) -> Results:
-    """One process per worker, as agents are separate pods; the clock starts when all are ready."""
-    config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+                 seconds: float = 0.0, on_go: Callable[[], None] | None = None,
+                 beside: dict[str, int] | None = None) -> Results:
+    """One process per worker, as agents are separate pods; the clock starts when all are ready.
+    The CPU of the control plane, and of the processes in `beside` (name → pid), is counted too."""
+    config = _namespace_config(kube, kubeconfig)
     go = kubeconfig.parent / f"{kube.namespace}.go"
     procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
                                "--kubeconfig", str(config), "--go", str(go), "--index", str(i),
@@ -331,7 +334,7 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
              for i in range(workers)]
     sync = []
     reports = []
-    plane = _control_plane(kubeconfig)
+    plane = {**_control_plane(kubeconfig), **(beside or {})}
     try:
         for proc in procs:
             assert proc.stdout is not None
@@ -586,7 +589,8 @@ def _full_drain(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Res
         began = time.monotonic()
         _create_tasks(kube, depth, queue="bench")
         created_s = time.monotonic() - began
-        drained = _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=depth)
+        drained = _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=depth,
+                               beside={"operator": operator.pid})
         _until(lambda: _metric(port, "tasklease_tasks", 'phase="Succeeded"') >= depth, 3600,
                "every task projected Succeeded", interval=1.0)
         unfinished = sum(1 for page in kube.list_pages(TASKS, namespace=kube.namespace, limit=500)
@@ -600,7 +604,7 @@ def _full_drain(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Res
 
 
 def _operator(kube: Kube, kubeconfig: Path) -> tuple[subprocess.Popen[bytes], int]:
-    config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+    config = _namespace_config(kube, kubeconfig)
     port = free_port()
     return _spawn(["operator", f"--kubeconfig={config}", f"--namespace={kube.namespace}", "--no-leader-elect",
                    "--grace=1", f"--http-port={port}", "--http-host=127.0.0.1"]), port
@@ -611,7 +615,7 @@ def _operator(kube: Kube, kubeconfig: Path) -> tuple[subprocess.Popen[bytes], in
 
 def _bench_recovery(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: bool) -> list[float]:
     """Kill `kills` holders at once; seconds until each task is claimable again."""
-    ns_config = namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
+    ns_config = _namespace_config(kube, kubeconfig)
     operator, port = _operator(kube, kubeconfig)
     agents = []
     try:
@@ -772,6 +776,11 @@ def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:
         _until(lambda: admin.get_or_none(NAMESPACES, name) is None, 3600, f"namespace {name} to be deleted", 0.5)
         if time.monotonic() - began > 10:
             _note(f"namespace {name} and what the case made deleted in {time.monotonic() - began:.0f} s")
+
+
+def _namespace_config(kube: Kube, kubeconfig: Path) -> Path:
+    """A kubeconfig for `kube`'s namespace beside `kubeconfig` (removed with the bench's folder)."""
+    return namespaced_kubeconfig(kubeconfig, kube.namespace, kubeconfig.parent / f"{kube.namespace}.kubeconfig")
 
 
 def _create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
