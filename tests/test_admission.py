@@ -92,6 +92,10 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     # A restarted agent of the same pod may still release its previous instance's lease.
     Agent(bob_kube, identity=Identity(pod="bob", instance="999999.1.gone", pod_uid=bob_uid)).claim_once("g2").detach()
     assert Agent(bob_kube, identity=Identity(pod="bob", instance="2", pod_uid=bob_uid)).start() == ["second"]
+    # An agent in another container of the pod (TASKLEASE_AGENT_ID) still holds in the pod's name.
+    make_task(kube, "third", queue="g3")
+    Agent(bob_kube, identity=Identity(pod="bob", instance="sidecar:1", pod_uid=bob_uid)).claim_once("g3").complete("ok")
+    assert record.decode(kube.get(LEASES, "third")).result == "ok"
     alice.close()
 
 
