@@ -100,8 +100,8 @@ class Identity:
 
 
 def container_of(instance: str) -> str:
-    """`<container>:<process part>` → `<container>`; "" for an agent that names none."""
-    return instance.partition(":")[0] if ":" in instance else ""
+    """`[<container>:]<process part>` → `<container>`; "" for an agent that names none."""
+    return instance.rpartition(":")[0]
 
 
 def instance_gone(instance: str) -> bool:
