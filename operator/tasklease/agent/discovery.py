@@ -342,14 +342,11 @@ class QueueView:
         name = meta["name"]
         rec, history = None, ""
         if kind != "DELETED":
-            # Every agent sees every Lease change of its queue: judge it without decoding its
-            # history (only a claim writes that back, so it is decoded for candidates only) or
-            # its result (a closed Lease is never claimed), and keep no raw object.
-            annotations = dict(meta.get("annotations") or {})
-            history = annotations.pop(record.ANN_HISTORY, "")
-            annotations.pop(record.ANN_RESULT, None)
-            rec = replace(record.decode({"metadata": {**meta, "annotations": annotations, "managedFields": None},
-                                         "spec": obj.get("spec", {})}), raw={})
+            # Every agent sees every Lease change of its queue, and what it spends on each is
+            # paid again by every peer: the history is kept as sent (decoded for candidates only,
+            # see `_with_history`), the result is never read (a closed Lease is never claimed).
+            rec = record.decode(obj, whole=False)
+            history = (meta.get("annotations") or {}).get(record.ANN_HISTORY, "")
         with self._changed:
             if rec is None or (rec.state == record.CLOSED and name not in self._tasks):
                 # A closed Lease of a task we do not watch is of no use: its Task is finished

@@ -3,7 +3,9 @@
 Every figure is a ratio within one run on one control plane (the machine may be loaded):
 - floors: one conditional PUT (on an idle server, and paired with each claim of a warm
   agent at work), a GET + PUT, and raw Lease writes/s (create + PUT per task, shares known
-  in advance: no discovery, no races) at the agents' concurrency;
+  in advance: no discovery, no races) at the agents' concurrency, then two floors nearer
+  the SDK: the same writes by workers that each watch every Lease, and the SDK's own Lease
+  writes that way (`FLOORS`);
 - peers: the official Python `LeaderElection` + `LeaseLock`, and client-go's
   `leaderelection` (built from the Go module proxy, QPS raised), acquiring a free Lease;
 - tasklease: SDK agents (separate processes, as agents are separate pods) at 1/4/8/16
@@ -27,6 +29,7 @@ import json
 import math
 import os
 import platform
+import random
 import resource
 import shutil
 import signal
@@ -50,7 +53,7 @@ from tasklease.dev.cluster import ClusterState, LocalCluster, free_port, namespa
 from tasklease.dev.crds import apply_crds
 from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKS, Kube
 from tasklease.kube.watching import Reflector
-from tasklease.protocol import Held, record
+from tasklease.protocol import Held, Protocol, TaskView, record
 
 T = TypeVar("T")
 Results = dict[str, Any]
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also create N tasks (default 100,000) and drain them all with the operator on and "
                         "the most agents of --agents (adds about 40 minutes on 2 cores)")
     parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
-    parser.add_argument("--worker", choices=["raw", "sdk", "idle"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=[*FLOORS, "sdk", "idle"], help=argparse.SUPPRESS)
     parser.add_argument("--kubeconfig", help=argparse.SUPPRESS)
     parser.add_argument("--go", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -139,12 +142,15 @@ def _bench(args: argparse.Namespace, state: ClusterState) -> int:
     res["client_go_p50_s"] = space(functools.partial(_client_go, kubeconfig=kubeconfig))
     res["cases"] = {}
     for n in counts:
-        note(f"throughput at {n} agents: raw floor, then the SDK ({args.tasks} tasks)")
-        raw = space(functools.partial(_run_workers, "raw", kubeconfig=kubeconfig, workers=n, tasks=args.tasks))
-        sdk = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
-                                      drain=args.tasks))
-        res["cases"][n] = {"raw": raw, "sdk": sdk}
-        res[f"sdk_vs_floor_{n}"] = sdk["rate"] / raw["rate"]
+        note(f"throughput at {n} agents: the floors ({', '.join(FLOORS)}), then the SDK ({args.tasks} tasks)")
+        case = {mode: space(functools.partial(_floor_case, mode, kubeconfig=kubeconfig, workers=n, tasks=args.tasks))
+                for mode in FLOORS}
+        case["sdk"] = sdk = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
+                                                    drain=args.tasks))
+        res["cases"][n] = case
+        res[f"sdk_vs_floor_{n}"] = sdk["rate"] / case["raw"]["rate"]
+        for mode in FLOORS[1:]:
+            res[f"{mode}_floor_vs_floor_{n}"] = case[mode]["rate"] / case["raw"]["rate"]
         res[f"conflicts_per_task_{n}"] = sdk["conflicts"] / args.tasks
     first = res["cases"][counts[0]]["sdk"]
     res["claim_p50_s"] = first["p50"]
@@ -319,6 +325,12 @@ def _sdk_case(kube: Kube, *, kubeconfig: Path, workers: int, depth: int, drain: 
     return _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=workers, tasks=drain, max_tasks=per_worker)
 
 
+def _floor_case(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int) -> Results:
+    if mode == "protocol":  # it claims Tasks
+        _create_tasks(kube, tasks, queue="bench")
+    return _run_workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks)
+
+
 def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
                  seconds: float = 0.0, on_go: Callable[[], None] | None = None,
                  beside: dict[str, int] | None = None) -> Results:
@@ -378,19 +390,22 @@ def _worker(args: argparse.Namespace) -> Results:
     conflicts = done = 0
     last = time.time()
     report: Results = {}
-    if args.worker == "raw":
-        names = [f"raw-{i:06d}" for i in range(args.index, args.tasks, args.workers)]  # no races: the floor
+    if args.worker in FLOORS:
+        take, names, taken = _floor_writes(kube, args)
         print("ready 0", flush=True)
         _wait_for(args.go)
         cpu = _cpu_s()
         for name in names:
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
-                    "spec": {"holderIdentity": f"w{args.index}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
+            if name in taken:
+                continue
             started = time.perf_counter()
-            created = kube.create(LEASES, body)
+            try:
+                let_go = take(name)
+            except errors.Conflict:
+                conflicts += 1
+                continue
             latencies.append(time.perf_counter() - started)
-            created["spec"]["holderIdentity"] = None
-            kube.replace(LEASES, created)
+            let_go()
             done += 1
         last = time.time()
         report = {"cpu_s": _cpu_s() - cpu}
@@ -431,6 +446,54 @@ def _worker(args: argparse.Namespace) -> Results:
         agent.close()
     rss_mb = _peak_rss_mb()
     return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "rss_mb": rss_mb, **report}
+
+
+# The floors, each one step nearer the SDK: bare Lease writes, the shares known in advance
+# ("raw"); the same writes by workers that each watch every Lease of the queue, as every
+# agent does, skip what they have seen taken and try the rest in an order of their own, a 409
+# meaning taken ("watched"); and the SDK's own Lease writes (`Protocol.claim`, `complete`:
+# labels, owner, history) the same way ("protocol"). What is left between the last and the
+# SDK is the agent's own work: its view of the queue, its looks, its claims' bookkeeping.
+FLOORS = ("raw", "watched", "protocol")
+
+
+Take = Callable[[str], Callable[[], Any]]  # takes a task (Conflict if another worker did); returns its letting go
+
+
+def _floor_writes(kube: Kube, args: argparse.Namespace) -> tuple[Take, list[str], set[str]]:
+    """How this floor worker takes a task, its tasks in its order, and the ones seen taken
+    (kept current by its watch)."""
+    taken: set[str] = set()
+    if args.worker == "raw":  # no races: the floor
+        names = [f"raw-{i:06d}" for i in range(args.index, args.tasks, args.workers)]
+        return _bare_take(kube, args.index), names, taken
+    watch = Reflector(kube, LEASES, namespace=kube.namespace, keep_objects=False,
+                      listener=lambda kind, obj: taken.add(obj["metadata"]["name"]))
+    watch.start()
+    watch.synced.wait(60)
+    if args.worker == "watched":
+        take, names = _bare_take(kube, args.index), [f"raw-{i:06d}" for i in range(args.tasks)]
+    else:
+        views = {v.name: v for v in (TaskView.of(t) for page in kube.list_pages(TASKS, limit=500)
+                                     for t in page["items"])}
+        protocol, holder = Protocol(kube), Identity(pod=f"bench-{args.index}", instance=f"{os.getpid()}").holder
+
+        def take(name: str) -> Callable[[], Any]:
+            held = protocol.claim(views[name], None, holder)
+            return lambda: protocol.complete(held, "ok")
+        names = sorted(views)
+    random.Random(args.index).shuffle(names)
+    return take, names, taken
+
+
+def _bare_take(kube: Kube, index: int) -> Take:
+    def take(name: str) -> Callable[[], Any]:
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
+                "spec": {"holderIdentity": f"w{index}", "leaseDurationSeconds": 30, "leaseTransitions": 1}}
+        created = kube.create(LEASES, body)
+        created["spec"]["holderIdentity"] = None
+        return lambda: kube.replace(LEASES, created)
+    return take
 
 
 def _peak_rss_mb() -> float:
@@ -696,18 +759,21 @@ def _report(res: Results, counts: list[int]) -> None:
     m = res["machine"]
     print(f"\ntasklease bench: {m['cpu_model']}, {m['nproc']} CPUs, Kubernetes {res['kubernetes']} on 127.0.0.1, "
           f"etcd {res['etcd_flags']}, {res['runtime_s'] / 60:.0f} min\n")
-    print(f"{'agents':>6} {'floor tasks/s':>14} {'SDK tasks/s':>12} {'ratio':>6} {'claim p50':>10} "
-          f"{'claim p95':>10} {'409s':>5}")
+    modes = (*FLOORS, "sdk")
+    print("tasks/s, and ÷ the raw floor, by agents: the floors one step nearer the SDK each (see FLOORS)")
+    print(f"{'agents':>6} " + " ".join(f"{mode:>15}" for mode in modes) + f" {'claim p50':>10} {'claim p95':>10} "
+          f"{'409s':>5}")
     for n in counts:
-        raw, sdk = res["cases"][n]["raw"], res["cases"][n]["sdk"]
-        print(f"{n:>6} {raw['rate']:14.1f} {sdk['rate']:12.1f} {sdk['rate'] / raw['rate']:6.2f} "
-              f"{_ms(sdk.get('p50'))} {_ms(sdk.get('p95'))} {sdk['conflicts']:>5}")
-    print("\nCPU per task (ms), floor → SDK: who pays for a task on these shared cores")
+        case = res["cases"][n]
+        print(f"{n:>6} " + " ".join(f"{case[m]['rate']:8.1f} ({case[m]['rate'] / case['raw']['rate']:4.2f})"
+                                    for m in modes) +
+              f" {_ms(case['sdk'].get('p50'))} {_ms(case['sdk'].get('p95'))} {case['sdk']['conflicts']:>5}")
+    print(f"\nCPU per task (ms), {' → '.join(modes)}: who pays for a task on these shared cores")
     for n in counts:
-        raw, sdk = (res["cases"][n][k].get("cpu_ms_per_task", {}) for k in ("raw", "sdk"))
-        shown = ", ".join(f"{name} {raw.get(name, math.nan):.2f} → {sdk.get(name, math.nan):.2f}"
-                          for name in sorted(set(raw) | set(sdk)))
-        print(f"{n:>6} agents: {shown}; all {sum(raw.values()):.2f} → {sum(sdk.values()):.2f}")
+        used = [res["cases"][n][m].get("cpu_ms_per_task", {}) for m in modes]
+        shown = ", ".join(f"{name} " + " → ".join(f"{u.get(name, math.nan):.2f}" for u in used)
+                          for name in sorted(set().union(*used)))
+        print(f"{n:>6} agents: {shown}; all " + " → ".join(f"{sum(u.values()):.2f}" for u in used))
     print(f"\nfloors: conditional PUT {_ms(res['put_p50_s'])}, GET + PUT {_ms(res['get_put_p50_s'])}; "
           f"peers acquiring a free Lease: Python LeaderElection {_ms(res['python_le_p50_s'])}, "
           f"client-go {_ms(res['client_go_p50_s'])}; SDK claim {_ms(res['claim_p50_s'])}")

@@ -103,23 +103,27 @@ def short_uid(uid: str) -> str:
     return uid[:8]
 
 
-def decode(lease: JSON) -> LeaseRecord:
+def decode(lease: JSON, *, whole: bool = True) -> LeaseRecord:
+    """`whole=False`: what a watcher judges a Lease by, for one that sees every change of a
+    queue: no history (only a claim writes it back), no result, and no raw object kept."""
     meta = lease.get("metadata", {})
     spec = lease.get("spec", {})
     ann = meta.get("annotations") or {}
     labels = meta.get("labels") or {}
     owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == models.KIND]
-    history = tuple(models.Attempt.model_validate(a) for a in json.loads(ann.get(ANN_HISTORY) or "[]"))
+    history = tuple(models.Attempt.model_validate(a) for a in json.loads(ann.get(ANN_HISTORY) or "[]")) \
+        if whole else ()
     return LeaseRecord(
         name=meta["name"], namespace=meta["namespace"], queue=labels.get(LABEL_QUEUE, ""),
         owner_uid=owners[0]["uid"] if owners else "",
         holder=spec.get("holderIdentity") or "", epoch=int(spec.get("leaseTransitions") or 0),
         duration_s=int(spec.get("leaseDurationSeconds") or _DEFAULT_DURATION_S),
         acquired_at=parse_time(spec.get("acquireTime")), renewed_at=parse_time(spec.get("renewTime")),
-        outcome=ann.get(ANN_OUTCOME, ""), reason=ann.get(ANN_REASON, ""), result=ann.get(ANN_RESULT, ""),
+        outcome=ann.get(ANN_OUTCOME, ""), reason=ann.get(ANN_REASON, ""),
+        result=ann.get(ANN_RESULT, "") if whole else "",
         error=ann.get(ANN_ERROR, ""), not_before=parse_time(ann.get(ANN_NOT_BEFORE)),
         history=history, budget_from=int(ann.get(ANN_BUDGET_FROM) or 0),
-        resource_version=meta.get("resourceVersion", ""), raw=lease,
+        resource_version=meta.get("resourceVersion", ""), raw=lease if whole else {},
     )
 
 
