@@ -156,6 +156,21 @@ def test_a_patch_owns_every_label_and_annotation_a_record_writes() -> None:
     assert set(meta["annotations"]) == set(record.OWNED_ANNOTATIONS)  # the record above sets them all
 
 
+def test_a_watchers_decode_keeps_what_claimability_reads_and_drops_history_result_and_raw() -> None:
+    """Every agent decodes every Lease change of its queue with `whole=False`: it must judge
+    alike (the history, kept as sent, is decoded again for candidates: `QueueView._with_history`)."""
+    task = _task(maxAttempts=2)
+    full = replace(claimed(task, None, "pod/1", NOW), holder="", outcome="", result="r", error="e",
+                   not_before=NOW + timedelta(seconds=5), budget_from=1, resource_version="9")
+    lease = record.encode(full)
+    lease["metadata"]["resourceVersion"] = "9"
+    whole, light = record.decode(lease), record.decode(lease, whole=False)
+    assert (light.history, light.result, light.raw) == ((), "", {})
+    assert replace(whole, history=(), result="", raw={}) == light
+    for now in (NOW, NOW + timedelta(seconds=10)):
+        assert blocker(task, light, now) == blocker(task, whole, now)
+
+
 @pytest.mark.parametrize("holder, pod, instance, uid", [
     ("worker-0/12.345.ab12@0c5e6a1e", "worker-0", "12.345.ab12@0c5e6a1e", "0c5e6a1e"),
     ("worker-0/12.345.ab12", "worker-0", "12.345.ab12", ""),  # an agent without POD_UID
