@@ -10,7 +10,7 @@ from tasklease.agent import Agent, Identity
 from tasklease.agent.discovery import CandidateIndex, Owner, QueueView, compact, divide, expand, owner, weight
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import Kube
-from tasklease.protocol import LeaseRecord, Protocol, TaskView, record
+from tasklease.protocol import Protocol, TaskView, members
 
 
 def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
@@ -83,7 +83,6 @@ def test_an_agent_whose_peers_own_the_oldest_tasks_looks_deeper_instead_of_idlin
     peers = [f"peer-{p:02d}/x" for p in range(15)]
     everyone = [*peers, "me/x"]
     view = QueueView(kube, namespace="ns", queue="deep")  # fed by hand below: never started
-    now = now_utc()
 
     def task(name: str, second: int) -> dict[str, Any]:
         return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
@@ -91,9 +90,8 @@ def test_an_agent_whose_peers_own_the_oldest_tasks_looks_deeper_instead_of_idlin
                                                   f"{second % 60:02d}Z"}, "spec": {"queue": "deep"}}
     for p, peer in enumerate(peers):  # each peer has just claimed: they are at work
         view._on_task("ADDED", task(f"held-{p}", p))
-        view._on_lease("ADDED", record.encode(LeaseRecord(
-            name=f"held-{p}", namespace="ns", queue="deep", owner_uid=f"uid-held-{p}", holder=peer, epoch=1,
-            acquired_at=now, renewed_at=now, resource_version="1")))
+        view._on_member("ADDED", {"metadata": {"name": members.lease_name("deep", peer), "annotations": {
+            members.ANN_TOOK: f'["held-{p}"]', members.ANN_HOLDING: "1"}}, "spec": {"holderIdentity": peer}})
     theirs = (n for n in (f"t-{i:05d}" for i in range(100000)) if owner(everyone, n)[1] != "me/x")
     for second in range(100, 400):  # the 300 oldest open tasks are all the peers'
         view._on_task("ADDED", task(next(theirs), second))

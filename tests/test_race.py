@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Cluster, make_task, read_audit
-from tasklease.protocol import record
+from tasklease.protocol import members, record
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.kube import LEASES
 
@@ -79,5 +79,7 @@ def _accepted_lease_writes(path: Path, namespace: str) -> dict[str, list[dict[st
     for e in read_audit(path, namespace=namespace, resource="leases"):
         if e["verb"] in ("create", "patch", "update") and e["responseStatus"]["code"] in (200, 201):
             obj = e["responseObject"]
+            if members.LABEL_AGENT_OF in (obj["metadata"].get("labels") or {}):
+                continue  # an agent telling its peers it works the queue: not a task's Lease
             by_lease[obj["metadata"]["name"]].append((int(obj["metadata"]["resourceVersion"]), obj["spec"]))
     return {name: [spec for _, spec in sorted(w)] for name, w in by_lease.items()}

@@ -1,11 +1,16 @@
-"""What an agent can claim in one queue: a candidate index kept current by two server-filtered watches.
+"""What an agent can claim in one queue: a candidate index kept current by server-filtered watches.
 
-Tasks are selected by the API server on `spec.queue` (a CRD selectable field) and Leases
-by the `tasklease.dev/queue` label, so an agent downloads only its own queue. Each watch
-event re-judges one task with the one claimability rule (`rules.blocker`) and updates the
-index in O(log n): an event that cannot make anything claimable (a held lease's renewal)
-is a dictionary update and wakes nobody. No polling: a waiting agent sleeps until
-something becomes claimable or the earliest backoff runs out.
+The API server selects what each agent downloads: its queue's open Tasks (`spec.queue`, a
+CRD selectable field, and the phase), its queue's *free* Leases only (`tasklease.dev/state=free`),
+and its queue's member Leases (`protocol.members`: who works the queue, and what they took). A
+claim, a renewal or a completion of a task's Lease reaches no other agent: a Lease that
+stops being free arrives as DELETED, which means exactly "no longer claimable"; a task
+claimed by creating its Lease is learnt from its claimer's member Lease, a batch of names
+at a time. Agents divide the tasks among the members, so none needs to hear of each claim.
+
+Each event re-judges one task with the one claimability rule (`rules.blocker`) and updates
+the index in O(log n). No polling: a waiting agent sleeps until something becomes
+claimable, a peer comes or goes, or the earliest backoff runs out.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Final
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.watching import Listener, Reflector
-from tasklease.protocol import LeaseRecord, TaskView, record
+from tasklease.protocol import LeaseRecord, TaskView, members, record
 from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]
@@ -44,9 +49,9 @@ def task_selector(queue: str) -> str:
 
 
 def lease_selector(queue: str) -> str:
-    # Not `state!=closed`: when an object stops matching a selector the watch reports it
-    # DELETED with its *previous* state, so a closing Lease would look like a vanished one.
-    return f"{record.LABEL_QUEUE}={queue}"
+    """Free Leases only: a Lease that stops matching (claimed, closed, deleted) arrives as
+    DELETED, with its previous content; for an agent all three mean "not claimable"."""
+    return f"{record.LABEL_QUEUE}={queue},{record.LABEL_STATE}={record.FREE}"
 
 
 def weight(holder: str, name: str) -> float:
@@ -56,6 +61,16 @@ def weight(holder: str, name: str) -> float:
 
 
 Ownership = tuple[float, str, str]  # (the owner's weight, the owner, its deputy or "")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A member of the queue as this agent last saw it (`protocol.members`)."""
+
+    holder: str
+    holding: int
+    claimed: datetime  # when we last heard it took something
+    until: datetime  # gone, unless renewed before (our clock: when we saw it, plus its duration)
 
 
 def owner(peers: Iterable[str], name: str) -> Ownership:
@@ -205,16 +220,14 @@ class QueueView:
         # the recent ones kept: the window's candidates are looked at again and again.
         self._tasks: dict[str, bytes] = {}
         self._decoded: OrderedDict[str, TaskView] = OrderedDict()
-        self._leases: dict[str, LeaseRecord] = {}  # without their history: see _on_lease
+        self._leases: dict[str, LeaseRecord] = {}  # the free ones, without their history: see _on_lease
         self._histories: dict[str, str] = {}  # name → the Lease's history annotation, as sent
-        self._lost: dict[str, str] = {}  # name → Lease resourceVersion we lost a race on
+        # Tasks taken (by us, by a peer, or a race we lost) → the resourceVersion of the free Lease
+        # we knew then ("" for none): not claimable until their Lease is seen free in another version.
+        self._taken: dict[str, str] = {}
         self._index = CandidateIndex()
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
-        self._held: dict[str, str] = {}  # open tasks whose Lease is held → holder: the agents at work
-        # Holders seen at work in this queue → (when last seen claiming, until when they count
-        # as peers: a lease duration after they were last seen holding a lease). Candidates are
-        # divided among them.
-        self._peers: dict[str, tuple[datetime, datetime]] = {}
+        self._members: dict[str, Peer] = {}  # member Lease name → the agent at work; candidates are divided among them
         self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
         self._changed = threading.Condition()
@@ -226,13 +239,15 @@ class QueueView:
                       listener=self._on_task, keep_objects=False),
             Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
                       listener=self._on_lease, keep_objects=False),
+            Reflector(kube, LEASES, namespace=namespace, label_selector=members.selector(queue),
+                      listener=self._on_member, keep_objects=False),
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Wait until both watches have their first list. `timeout_s` bounds a silence, not a
         long list: every page that arrives (a large queue) gives it `timeout_s` more."""
         deadline = time.monotonic() + timeout_s
-        for r in self._reflectors:  # Tasks first: a Lease is judged with its Task
+        for r in self._reflectors:  # Tasks first: a Lease, and a peer's took, are judged with their Task
             r.start()
             pages = 0
             while not r.synced.wait(0.1):
@@ -268,9 +283,10 @@ class QueueView:
         `_DEEPEST`): an agent whose peers own the oldest tasks must not idle beside a deep queue."""
         with self._changed:
             self._release_due(now)
-            self._expire_peers(now)
-            peers = frozenset((*self._peers, holder))
-            window = max(window, _SPREAD_PER_HOLDER * max(len(self._held), len(peers)))
+            live = self._live_members(now)
+            peers = frozenset((*(m.holder for m in live), holder))
+            held = sum(m.holding for m in live if m.holder != holder)
+            window = max(window, _SPREAD_PER_HOLDER * max(held, len(peers)))
             while True:
                 names = self._index.best(window)
                 if not names:
@@ -285,8 +301,8 @@ class QueueView:
                 if ready:
                     if peers != self._owners_of or len(self._owners) > 4 * window:
                         self._owners, self._owners_of = {}, peers
-                    claiming = {p for p, (claimed, _) in self._peers.items() if now - claimed < _ACTIVE}
-                    division = divide(holder, ready, self._owner, claiming, set(self._held.values()))
+                    claiming = {m.holder for m in live if now - m.claimed < _ACTIVE}
+                    division = divide(holder, ready, self._owner, claiming, {m.holder for m in live if m.holding})
                     if division.ours or len(names) < window or window >= _DEEPEST:
                         return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
                     window *= 4  # none of these is ours, and the band has more
@@ -311,11 +327,11 @@ class QueueView:
         with self._changed:
             self._changed.wait_for(lambda: self._generation != since, timeout=timeout_s)
 
-    def mark_lost(self, name: str) -> None:
-        """After a lost race: skip `name` until its Lease is seen to change."""
+    def mark_taken(self, name: str) -> None:
+        """After a claim, ours or a lost race: skip `name` until its Lease is seen free again."""
         with self._changed:
             current = self._leases.get(name)
-            self._lost[name] = current.resource_version if current else ""
+            self._taken[name] = current.resource_version if current else ""
             self._index.discard(name)
 
     def _on_task(self, kind: str, obj: JSON) -> None:
@@ -329,7 +345,7 @@ class QueueView:
                 self._decoded.pop(name, None)
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
-                self._lost.pop(name, None)
+                self._taken.pop(name, None)
             else:
                 self._tasks[name] = text
                 self._remember(name, view)
@@ -342,26 +358,51 @@ class QueueView:
         name = meta["name"]
         rec, history = None, ""
         if kind != "DELETED":
-            # Every agent sees every Lease change of its queue, and what it spends on each is
-            # paid again by every peer: the history is kept as sent (decoded for candidates only,
-            # see `_with_history`), the result is never read (a closed Lease is never claimed).
+            # What is spent here is spent by every agent of the queue: the history is kept as
+            # sent (decoded for candidates only, see `_with_history`), the result never read.
             rec = record.decode(obj, whole=False)
             history = (meta.get("annotations") or {}).get(record.ANN_HISTORY, "")
         with self._changed:
-            if rec is None or (rec.state == record.CLOSED and name not in self._tasks):
-                # A closed Lease of a task we do not watch is of no use: its Task is finished
-                # and has left the phase-filtered Task watch (which is synced first).
+            if rec is None or rec.state != record.FREE:
+                # It left the free selector: claimed, closed or deleted. Not claimable until seen free again.
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
+                if name in self._tasks:
+                    self._taken[name] = ""
             else:
-                if rec.state == record.HELD:
-                    self._seen_at_work(rec, self._leases.get(name))
                 self._leases[name] = rec
-                if history and rec.state != record.CLOSED:
+                if history:
                     self._histories[name] = history
                 else:
                     self._histories.pop(name, None)
             self._judge(name, timestamps.now_utc())
+
+    def _on_member(self, kind: str, obj: JSON) -> None:
+        member = members.decode(obj)
+        now = timestamps.now_utc()
+        with self._changed:
+            before = self._members.get(member.name)
+            if kind == "DELETED" or not member.holder:
+                self._members.pop(member.name, None)
+            else:
+                claimed = now if member.took else before.claimed if before else datetime.min.replace(tzinfo=now.tzinfo)
+                self._members[member.name] = Peer(holder=member.holder, holding=member.holding, claimed=claimed,
+                                                  until=now + timedelta(seconds=member.duration_s))
+                for name in member.took:
+                    # Claimed by creating its Lease, which no watch of ours shows; a claim of a free
+                    # Lease was a DELETED already, and one freed since is in `_leases` again.
+                    if name in self._tasks and name not in self._leases:
+                        self._taken[name] = ""
+                        self._index.discard(name)
+            after = self._members.get(member.name)
+            if (before and before.holder) != (after and after.holder):
+                self._bump()  # a peer came or went: the tasks are divided anew
+
+    def _live_members(self, now: datetime) -> list[Peer]:
+        """Caller holds the lock. The members not gone silent; the silent ones are forgotten."""
+        for name in [n for n, m in self._members.items() if m.until <= now]:
+            del self._members[name]
+        return list(self._members.values())
 
     def _owner(self, name: str) -> Ownership:
         """Caller holds the lock. `owner` among the current peers, computed once per peer set."""
@@ -369,19 +410,6 @@ class QueueView:
         if found is None:
             found = self._owners[name] = owner(self._owners_of, name)
         return found
-
-    def _seen_at_work(self, rec: LeaseRecord, before: LeaseRecord | None) -> None:
-        """Caller holds the lock. `rec.holder` holds a lease of this queue: a peer."""
-        now = timestamps.now_utc()
-        claimed, until = self._peers.get(rec.holder, (now, now))
-        if before is None or before.epoch != rec.epoch:  # a claim, not a renewal
-            claimed = now
-        self._peers[rec.holder] = (claimed, max(until, now + timedelta(seconds=rec.duration_s)))
-
-    def _expire_peers(self, now: datetime) -> None:
-        """Caller holds the lock."""
-        for peer in [p for p, (_, until) in self._peers.items() if until <= now]:
-            del self._peers[peer]
 
     def _task(self, name: str) -> TaskView | None:
         """Caller holds the lock."""
@@ -421,18 +449,18 @@ class QueueView:
         """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable."""
         task = self._task(name)
         rec = self._leases.get(name)
-        if task is not None and rec is not None and rec.state == record.HELD:
-            self._held[name] = rec.holder
-        else:
-            self._held.pop(name, None)
         if task is None:
             self._index.discard(name)
             return
-        if name in self._lost:
-            if self._lost[name] == (rec.resource_version if rec else ""):
+        if name in self._taken:
+            if self._taken[name] == (rec.resource_version if rec else ""):
                 self._index.discard(name)
                 return
-            del self._lost[name]
+            del self._taken[name]
+        if rec is None and task.status_attempt:
+            # Claimed before (its status says so) and its Lease is not free: held or closed.
+            self._index.discard(name)
+            return
         found = blocker(task, rec, now)
         if found is None:
             if self._index.add(name, task.spec.priority, task.created):

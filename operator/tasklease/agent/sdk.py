@@ -39,8 +39,10 @@ from tasklease.protocol import record
 from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
 from tasklease.agent.discovery import Candidate, Division, Owner, QueueView, task_selector, weight
+from tasklease.agent.membership import Membership
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
+from tasklease.protocol.members import MemberLease
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +404,8 @@ def _rank(task: JSON) -> tuple[int, str, str]:
 
 
 class Agent:
-    """Claims tasks for one identity. Thread-safe; one QueueView (two watches) per queue."""
+    """Claims tasks for one identity. Thread-safe; one QueueView (three watches) per queue, and a
+    member Lease in each queue it claims from (`membership`)."""
 
     def __init__(self, kube: Kube, *, namespace: str | None = None, identity: Identity | None = None,
                  best_of: int = 32) -> None:
@@ -413,6 +416,8 @@ class Agent:
         self.best_of = best_of
         self._views: dict[str, QueueView] = {}
         self._unshare: list[Callable[[], None]] = []
+        self._members: dict[str, Membership] = {}  # the queues we claim from: our peers there know us
+        self._claims: weakref.WeakSet[ClaimedTask] = weakref.WeakSet()
         self._views_lock = threading.Lock()
 
     @classmethod
@@ -451,6 +456,7 @@ class Agent:
         timeout or when `stop` is set. `interrupt`: raise LostLease in the claiming thread if
         the lease is lost while inside the task's `with` block."""
         view = self.watch(queue)
+        member = self._join(queue)
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
         while True:
@@ -458,7 +464,7 @@ class Agent:
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
             candidates, recheck = self._pick(view, stop)
-            claimed, lost = self._try(view, candidates, interrupt=interrupt)
+            claimed, lost = self._try(view, member, candidates, interrupt=interrupt)
             if claimed is not None:
                 return claimed
             wait = recheck
@@ -538,6 +544,9 @@ class Agent:
 
     def close(self) -> None:
         with self._views_lock:
+            for member in self._members.values():
+                member.close()
+            self._members.clear()
             for unshare in self._unshare:
                 unshare()
             for view in self._views.values():
@@ -557,6 +566,22 @@ class Agent:
                 self._unshare.append(share(self.kube, namespace=self.namespace, queue=queue,
                                            tasks=view.task_watch, listeners=view.task_listeners))
             return view
+
+    def _join(self, queue: str) -> Membership:
+        """Become a member of `queue`, the first time we claim from it (a watch alone does not):
+        from now on our peers leave our share of its tasks to us."""
+        with self._views_lock:
+            member = self._members.get(queue)
+            if member is None:
+                pod = (self.identity.pod, self.identity.pod_uid) if self.identity.pod_uid else None
+                member = Membership(MemberLease(self.kube, namespace=self.namespace, queue=queue,
+                                                holder=self.identity.holder, pod=pod), holding=self._holding)
+                member.start()
+                self._members[queue] = member
+            return member
+
+    def _holding(self) -> int:
+        return sum(1 for claim in list(self._claims) if not claim.finished)
 
     def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float]:
         """What to try now, and how long to wait before looking again if none of it is won."""
@@ -583,7 +608,7 @@ class Agent:
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
         return view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of, limit=_TRIES_PER_LOOK)
 
-    def _try(self, view: QueueView, candidates: list[Candidate], *,
+    def _try(self, view: QueueView, member: Membership, candidates: list[Candidate], *,
              interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:
         """Claim the first candidate we can, in order; also returns the names whose race we lost."""
         lost = []
@@ -592,11 +617,14 @@ class Agent:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.NotClaimable):
                 lost.append(task.name)  # another agent won; the next candidate is another task
-                view.mark_lost(task.name)
+                view.mark_taken(task.name)
                 continue
-            # Ours now: not a candidate any more, even before the watch shows our write.
-            view.mark_lost(task.name)
-            return self._claimed(task, held, interrupt=interrupt), lost
+            # Ours now: no watch of ours will show it (it is not free), our peers hear it from us.
+            view.mark_taken(task.name)
+            member.took(task.name)
+            claimed = self._claimed(task, held, interrupt=interrupt)
+            self._claims.add(claimed)
+            return claimed, lost
         return None, lost
 
     def _claimed(self, task: TaskView, held: Held, *, interrupt: bool, follow: bool = True) -> ClaimedTask:

@@ -37,7 +37,7 @@ from tasklease.api.timestamps import parse_time
 from tasklease.dev.cluster import LocalCluster, audit_files, free_port
 from tasklease.dev.crds import apply_crds
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
-from tasklease.protocol import record
+from tasklease.protocol import members, record
 
 NAMESPACE = "chaos"
 QUEUE = "chaos"
@@ -300,6 +300,8 @@ class Chaos:
                         != "ResponseComplete" or event.get("verb") not in ("create", "patch", "update")
                         or not 200 <= code < 300 or not event.get("responseObject")):
                     continue
+                if members.LABEL_AGENT_OF in (event["responseObject"]["metadata"].get("labels") or {}):
+                    continue  # an agent telling its peers it works the queue, not a task's Lease
                 writes.append(event)
         self.audited_writes = len(writes)
         writes.sort(key=lambda e: int(e["responseObject"]["metadata"]["resourceVersion"]))

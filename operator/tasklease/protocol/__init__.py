@@ -1,8 +1,9 @@
 """The claim protocol: every Lease transition, and nothing else.
 
-Rule: only this package writes Leases (task Leases, orphan removal and the operator's
-election Lease alike), each write through `record.encode` and conditional on what was
-read. `rules` is pure; `transitions` and `election` do the writes.
+Rule: only this package writes Leases (task Leases, orphan removal, the operator's election
+Lease and the agents' member Leases alike), each write conditional on what was read: task
+and election Leases through `record.encode`. `rules` is pure; `transitions`, `election` and
+`members` do the writes.
 """
 
 from tasklease.protocol.record import CLOSED, FREE, HELD, LeaseRecord

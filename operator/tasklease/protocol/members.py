@@ -1,0 +1,122 @@
+"""A member Lease: one agent telling the other agents of a queue that it works there, and what it took.
+
+Agents divide a queue's tasks among the agents at work (rendezvous hashing, in the agent's
+`discovery`), so each must know its peers; and a thief must know what its peers took.
+Watching every task Lease would tell both, at the price of every claim and every completion
+reaching every agent of the queue (at 16 agents, 32 deliveries per task, which cost more
+than the task's own writes). Instead each agent at work keeps a member Lease of its own:
+
+- `holderIdentity`: the agent; none means it left.
+- `tasklease.dev/took`: the tasks it claimed since its previous write. Its peers learn of a
+  claim made by creating a task's Lease, which they do not watch, from this.
+- `tasklease.dev/holding`: how many leases it holds: a thief takes from busy agents first.
+- `leaseDurationSeconds`: a member not seen written for that long is gone.
+
+Member Leases are not task Leases: labelled `tasklease.dev/agent-of=<queue>`, never
+`app.kubernetes.io/managed-by=tasklease`, so the operator, the admission policy and the task
+watches never see them. Only its agent writes one, so a write is conditional on the agent's
+own last resourceVersion. In a Pod a member Lease is owned by the Pod and goes with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Final
+
+from tasklease.api import errors, timestamps
+from tasklease.api.timestamps import format_time
+from tasklease.kube import JSON, LEASES, Kube
+from tasklease.protocol.record import label_value
+
+LABEL_AGENT_OF: Final = "tasklease.dev/agent-of"
+ANN_TOOK: Final = "tasklease.dev/took"
+ANN_HOLDING: Final = "tasklease.dev/holding"
+DURATION_S: Final = 10
+
+
+def selector(queue: str) -> str:
+    return f"{LABEL_AGENT_OF}={label_value(queue)}"
+
+
+def lease_name(queue: str, holder: str) -> str:
+    """A name no Task is likely to have (a task's Lease is named after its Task)."""
+    return "tasklease-agent." + hashlib.blake2b(f"{queue}\0{holder}".encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class Member:
+    """What one member Lease says."""
+
+    name: str
+    holder: str  # "" once it left
+    took: tuple[str, ...] = ()
+    holding: int = 0
+    duration_s: int = DURATION_S
+
+
+def decode(lease: JSON) -> Member:
+    meta, spec = lease["metadata"], lease.get("spec") or {}
+    ann = meta.get("annotations") or {}
+    try:
+        took = tuple(str(n) for n in json.loads(ann.get(ANN_TOOK) or "[]"))
+        holding = int(ann.get(ANN_HOLDING) or 0)
+    except (ValueError, TypeError):  # edited by hand: the agent still counts as a peer
+        took, holding = (), 0
+    return Member(name=meta["name"], holder=spec.get("holderIdentity") or "", took=took, holding=holding,
+                  duration_s=int(spec.get("leaseDurationSeconds") or DURATION_S))
+
+
+class MemberLease:
+    """One agent's member Lease in one queue. Not thread-safe: one writer, its agent's."""
+
+    def __init__(self, kube: Kube, *, namespace: str, queue: str, holder: str,
+                 pod: tuple[str, str] | None = None) -> None:
+        """`pod`: (name, uid) of the Pod the agent runs in, which owns the Lease."""
+        self._kube = kube
+        self._namespace = namespace
+        self._queue = queue
+        self._holder = holder
+        self._pod = pod
+        self.name = lease_name(queue, holder)
+        self._version = ""  # after our last write
+
+    def write(self, took: list[str], holding: int, *, left: bool = False) -> bool:
+        """Say we work the queue (or `left` it), holding `holding` leases, having taken `took`
+        since the last write. False when the name belongs to a Lease that is not a member's
+        (a Task named so): then this agent cannot tell its peers anything."""
+        body = self._body(took, holding, left=left)
+        if self._version:
+            body["metadata"]["resourceVersion"] = self._version
+            try:
+                self._version = self._kube.merge_patch(LEASES, self.name, body, namespace=self._namespace,
+                                                       timeout=5)["metadata"]["resourceVersion"]
+                return True
+            except (errors.Conflict, errors.NotFound):  # deleted or edited by someone else
+                self._version = ""
+                del body["metadata"]["resourceVersion"]
+        if left:
+            return True  # never written, or not ours any more: nothing to leave
+        try:
+            self._version = self._kube.create(LEASES, body, namespace=self._namespace,
+                                              timeout=5)["metadata"]["resourceVersion"]
+            return True
+        except errors.Conflict:  # ours from a moment ago (an answer lost), or a Task's Lease of that name
+            current = self._kube.get(LEASES, self.name, namespace=self._namespace, timeout=5)
+        if (current["metadata"].get("labels") or {}).get(LABEL_AGENT_OF) != label_value(self._queue):
+            return False
+        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        self._version = self._kube.merge_patch(LEASES, self.name, body, namespace=self._namespace,
+                                               timeout=5)["metadata"]["resourceVersion"]
+        return True
+
+    def _body(self, took: list[str], holding: int, *, left: bool) -> JSON:
+        meta: JSON = {"name": self.name, "labels": {LABEL_AGENT_OF: label_value(self._queue)},
+                      "annotations": {ANN_TOOK: json.dumps(took, separators=(",", ":")), ANN_HOLDING: str(holding)}}
+        if self._pod is not None:
+            meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self._pod[0], "uid": self._pod[1],
+                                        "blockOwnerDeletion": False}]
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+                "spec": {"holderIdentity": None if left else self._holder, "leaseDurationSeconds": DURATION_S,
+                         "renewTime": format_time(timestamps.now_utc())}}
