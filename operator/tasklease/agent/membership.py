@@ -29,6 +29,7 @@ class Membership:
         self._lease = lease
         self._holding = holding
         self._took: list[str] = []
+        self._urgent = False
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"member-{lease.name}", daemon=True)
@@ -36,10 +37,12 @@ class Membership:
     def start(self) -> None:
         self._thread.start()
 
-    def took(self, name: str) -> None:
-        """We claimed `name`: our peers hear of it with the next write."""
+    def took(self, name: str, *, stolen: bool = False) -> None:
+        """We claimed `name`: our peers hear of it with the next write; at once if we `stole`
+        it from another member, whose other thieves hold back only briefly."""
         with self._wake:
             self._took.append(name)
+            self._urgent = self._urgent or stolen
             self._wake.notify()
 
     def close(self) -> None:
@@ -55,11 +58,11 @@ class Membership:
         while True:
             with self._wake:
                 while not self._stopping:
-                    due = (PUBLISH_S if self._took else renew_s) - (time.monotonic() - last)
+                    due = (0 if self._urgent else PUBLISH_S if self._took else renew_s) - (time.monotonic() - last)
                     if due <= 0:
                         break
                     self._wake.wait(due)
-                stopping, took, self._took = self._stopping, self._took, []
+                stopping, took, self._took, self._urgent = self._stopping, self._took, [], False
             try:
                 if not self._lease.write(took, 0 if stopping else self._holding(), left=stopping):
                     log.warning("Lease %s is not a member Lease (a Task of that name?): this agent works "

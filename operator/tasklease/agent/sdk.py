@@ -418,6 +418,10 @@ class Agent:
         self._unshare: list[Callable[[], None]] = []
         self._members: dict[str, Membership] = {}  # the queues we claim from: our peers there know us
         self._claims: weakref.WeakSet[ClaimedTask] = weakref.WeakSet()
+        # Per queue: the rest of a look's own candidates, and the view's generation it was made
+        # at. Until something becomes claimable (the generation moves) they are still our best:
+        # only we take ours. One look serves several claims.
+        self._next: dict[str, tuple[int, list[Candidate]]] = {}
         self._views_lock = threading.Lock()
 
     @classmethod
@@ -463,9 +467,12 @@ class Agent:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            candidates, recheck = self._pick(view, stop)
-            claimed, lost = self._try(view, member, candidates, interrupt=interrupt)
+            candidates, recheck, ours = self._kept(queue, since) or self._pick(view, stop)
+            claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
             if claimed is not None:
+                if rest and ours:
+                    with self._views_lock:
+                        self._next[queue] = (since, rest)
                 return claimed
             wait = recheck
             if lost:
@@ -583,8 +590,17 @@ class Agent:
     def _holding(self) -> int:
         return sum(1 for claim in list(self._claims) if not claim.finished)
 
-    def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float]:
-        """What to try now, and how long to wait before looking again if none of it is won."""
+    def _kept(self, queue: str, generation: int) -> tuple[list[Candidate], float, bool] | None:
+        """The rest of the last look's own candidates, if nothing became claimable since."""
+        with self._views_lock:
+            kept = self._next.pop(queue, None)
+        if kept is None or kept[0] != generation:
+            return None
+        return kept[1], 60.0, True
+
+    def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float, bool]:
+        """What to try now, how long to wait before looking again if none of it is won, and
+        whether it is ours (not a thief's pick)."""
         candidates, division = self._look(view)
         if candidates and division.owner in (Owner.BUSY, Owner.IDLE):
             # Nothing of ours. An idle owner, if alive, takes its task at once: give its claim
@@ -600,19 +616,20 @@ class Agent:
         if division.owner is Owner.CLAIMING:
             # All that is left belongs to agents that are claiming: they take it themselves.
             # Look again shortly (no request), in case one of them stops.
-            return [], _SPREAD_S
+            return [], _SPREAD_S, False
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
         # next look offers our others), or a thief's pick.
-        return candidates, 60.0
+        return candidates, 60.0, bool(division.ours)
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
         return view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of, limit=_TRIES_PER_LOOK)
 
-    def _try(self, view: QueueView, member: Membership, candidates: list[Candidate], *,
-             interrupt: bool) -> tuple[ClaimedTask | None, list[str]]:
-        """Claim the first candidate we can, in order; also returns the names whose race we lost."""
+    def _try(self, view: QueueView, member: Membership, candidates: list[Candidate], *, ours: bool,
+             interrupt: bool) -> tuple[ClaimedTask | None, list[str], list[Candidate]]:
+        """Claim the first candidate we can, in order; also returns the names whose race we
+        lost, and the candidates not tried."""
         lost = []
-        for task, rec in candidates[:_TRIES_PER_LOOK]:
+        for i, (task, rec) in enumerate(candidates[:_TRIES_PER_LOOK]):
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.NotClaimable):
@@ -621,11 +638,11 @@ class Agent:
                 continue
             # Ours now: no watch of ours will show it (it is not free), our peers hear it from us.
             view.mark_taken(task.name)
-            member.took(task.name)
+            member.took(task.name, stolen=not ours)
             claimed = self._claimed(task, held, interrupt=interrupt)
             self._claims.add(claimed)
-            return claimed, lost
-        return None, lost
+            return claimed, lost, candidates[i + 1:]
+        return None, lost, []
 
     def _claimed(self, task: TaskView, held: Held, *, interrupt: bool, follow: bool = True) -> ClaimedTask:
         log.info("claimed %s/%s (attempt %d) as %s", task.namespace, task.name, held.epoch, held.holder)
