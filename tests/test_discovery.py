@@ -10,7 +10,7 @@ from tasklease.agent import Agent, Identity
 from tasklease.agent.discovery import CandidateIndex, Owner, QueueView, compact, divide, expand, owner, weight
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import Kube
-from tasklease.protocol import Protocol, TaskView, members
+from tasklease.protocol import LeaseRecord, Protocol, TaskView, members, record
 
 
 def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
@@ -146,6 +146,39 @@ def test_a_held_leases_renewals_wake_no_idle_agent(kube: Kube) -> None:
     finally:
         holder.close()
         idle.close()
+
+
+def test_an_agent_learns_what_is_taken_without_seeing_held_leases(kube: Kube) -> None:
+    """Agents watch only free Leases and member Leases: a Lease leaving the free selector,
+    a peer's `took` and a status showing an attempt each make a task not claimable."""
+    view = QueueView(kube, namespace="ns", queue="q")  # fed by hand below: never started
+
+    def task(name: str, attempt: int = 0) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                             "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"queue": "q"},
+                "status": {"attempt": attempt}}
+
+    def free(version: str) -> dict[str, Any]:
+        return record.encode(LeaseRecord(name="retried", namespace="ns", queue="q", owner_uid="uid-retried",
+                                         epoch=1, resource_version=version))
+    view._on_task("ADDED", task("retried", attempt=1))
+    assert view.claimable_count() == 0  # claimed before, and no free Lease of it known: held or closed
+    view._on_lease("ADDED", free("5"))
+    assert view.claimable_count() == 1
+    view._on_lease("DELETED", free("6"))  # claimed or closed elsewhere: it left the free selector
+    assert view.claimable_count() == 0
+    view._on_lease("ADDED", free("9"))  # free again
+    assert view.claimable_count() == 1
+
+    view._on_task("ADDED", task("fresh"))
+    assert view.claimable_count() == 2
+    # Claimed by creating its Lease, which no watch of ours shows: its claimer's member Lease tells.
+    view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x"),
+                                           "annotations": {members.ANN_TOOK: '["fresh"]'}},
+                              "spec": {"holderIdentity": "peer/x"}})
+    assert view.claimable_count() == 1
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    assert [t.name for t, _ in candidates] == ["retried"]
 
 
 def test_an_open_task_kept_compact_reads_back_the_same() -> None:
