@@ -3,9 +3,9 @@
 Every figure is a ratio within one run on one control plane (the machine may be loaded):
 - floors: one conditional PUT (on an idle server, and paired with each claim of a warm
   agent at work), a GET + PUT, and raw Lease writes/s (create + PUT per task, shares known
-  in advance: no discovery, no races) at the agents' concurrency, then two floors nearer
-  the SDK: the same writes by workers that each watch every Lease, and the SDK's own Lease
-  writes that way (`FLOORS`);
+  in advance: no discovery, no races) at the agents' concurrency, then two floors that
+  show what watching every Lease costs: the same writes by workers that each watch every
+  Lease, and the SDK's own Lease writes that way (`FLOORS`);
 - peers: the official Python `LeaderElection` + `LeaseLock`, and client-go's
   `leaderelection` (built from the Go module proxy, QPS raised), acquiring a free Lease;
 - tasklease: SDK agents (separate processes, as agents are separate pods) at 1/4/8/16
@@ -448,12 +448,13 @@ def _worker(args: argparse.Namespace) -> Results:
     return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "rss_mb": rss_mb, **report}
 
 
-# The floors, each one step nearer the SDK: bare Lease writes, the shares known in advance
-# ("raw"); the same writes by workers that each watch every Lease of the queue, as every
-# agent does, skip what they have seen taken and try the rest in an order of their own, a 409
-# meaning taken ("watched"); and the SDK's own Lease writes (`Protocol.claim`, `complete`:
-# labels, owner, history) the same way ("protocol"). What is left between the last and the
-# SDK is the agent's own work: its view of the queue, its looks, its claims' bookkeeping.
+# The floors: bare Lease writes, the shares known in advance ("raw"); the same writes by
+# workers that each watch every Lease of the queue, as agents did before they watched only
+# free Leases and their peers' member Leases (docs/protocol.md, Discovery), skip what they
+# have seen taken and try the rest in an order of their own, a 409 meaning taken
+# ("watched"); and the SDK's own Lease writes (`Protocol.claim`, `complete`: labels, owner,
+# history) the same way ("protocol"). They show what every agent hearing of every claim
+# costs, which the SDK no longer pays.
 FLOORS = ("raw", "watched", "protocol")
 
 
