@@ -244,7 +244,7 @@ class QueueView:
         ]
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Wait until both watches have their first list. `timeout_s` bounds a silence, not a
+        """Wait until the three watches have their first list. `timeout_s` bounds a silence, not a
         long list: every page that arrives (a large queue) gives it `timeout_s` more."""
         deadline = time.monotonic() + timeout_s
         for r in self._reflectors:  # Tasks first: a Lease, and a peer's took, are judged with their Task
@@ -344,12 +344,15 @@ class QueueView:
         with self._changed:
             self._changed.wait_for(lambda: self._generation != since, timeout=timeout_s)
 
-    def mark_taken(self, name: str) -> None:
-        """After a claim, ours or a lost race: skip `name` until its Lease is seen free again."""
+    def mark_taken(self, name: str, tried: LeaseRecord | None) -> None:
+        """After a claim of `name` made on `tried` (its free Lease, or none), ours or a lost race:
+        skip it until its Lease is seen free in another version."""
         with self._changed:
-            current = self._leases.get(name)
-            self._taken[name] = current.resource_version if current else ""
+            self._taken[name] = tried.resource_version if tried else ""
             self._index.discard(name)
+            current = self._leases.get(name)
+            if (current.resource_version if current else "") != self._taken[name]:
+                self._judge(name, timestamps.now_utc())  # it changed since the look we tried it from
 
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]

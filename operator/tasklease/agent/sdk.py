@@ -634,10 +634,10 @@ class Agent:
                 held = self.protocol.claim(task, rec, self.identity.holder)
             except (errors.Conflict, errors.NotClaimable):
                 lost.append(task.name)  # another agent won; the next candidate is another task
-                view.mark_taken(task.name)
+                view.mark_taken(task.name, rec)
                 continue
             # Ours now: no watch of ours will show it (it is not free), our peers hear it from us.
-            view.mark_taken(task.name)
+            view.mark_taken(task.name, rec)
             member.took(task.name, stolen=not ours)
             claimed = self._claimed(task, held, interrupt=interrupt)
             self._claims.add(claimed)
