@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import pytest
+
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
 from tasklease.agent.discovery import CandidateIndex, Owner, QueueView, compact, divide, expand, owner, weight
+from tasklease.api import errors
 from tasklease.api.timestamps import now_utc
-from tasklease.kube import Kube
+from tasklease.kube import TASKS, Kube
 from tasklease.protocol import LeaseRecord, Protocol, TaskView, members, record
 
 
@@ -179,6 +182,28 @@ def test_an_agent_learns_what_is_taken_without_seeing_held_leases(kube: Kube) ->
     assert view.claimable_count() == 1
     candidates, division = view.choose("me/x", now_utc(), window=8)
     assert [t.name for t, _ in candidates] == ["retried"]
+
+
+def test_candidates_kept_from_an_earlier_look_are_not_claimed_once_cancelled(kube: Kube) -> None:
+    make_task(kube, "k-0", queue="kept")
+    agent = Agent(kube, identity=Identity(pod="kept-agent", instance="a"))
+    try:
+        agent.claim("kept", timeout=30).complete("done")  # we are a member now: our coming moves nothing later
+        view = agent.watch("kept")
+        wait_for(lambda: [m.holder for m in view._members.values()] == [agent.identity.holder],
+                 message="our own member Lease in our view")
+        for name in ("k-1", "k-2", "k-3"):
+            make_task(kube, name, queue="kept")
+        wait_for(lambda: view.claimable_count() == 3, message="the three tasks in the agent's view")
+        first = agent.claim("kept", timeout=30)  # the look offered all three: two are kept for the next claims
+        for name in {"k-1", "k-2", "k-3"} - {first.name}:
+            kube.merge_patch(TASKS, name, {"spec": {"cancel": True}})
+        wait_for(lambda: view.claimable_count() == 0, message="the cancels in the agent's view")
+        first.complete("done")
+        with pytest.raises(errors.NothingToClaim):
+            agent.claim("kept", timeout=1)
+    finally:
+        agent.close()
 
 
 def test_an_open_task_kept_compact_reads_back_the_same() -> None:

@@ -312,6 +312,13 @@ class QueueView:
                         return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
                     window *= 4  # none of these is ours, and the band has more
 
+    def still(self, names: list[str], now: datetime) -> list[Candidate]:
+        """Those of `names` (an earlier look's) still candidates at `now`, as the view has them
+        now: a task cancelled, deleted or taken since has left the index."""
+        with self._changed:
+            return [(self._view(n), self._with_history(n)) for n in names
+                    if n in self._index and self._ready([n], now)]
+
     def _ready(self, names: list[str], now: datetime) -> list[str]:
         """Caller holds the lock. Those of `names` claimable at `now`; the others are judged
         again (a deadline passed since they were indexed) and leave the index."""

@@ -419,9 +419,9 @@ class Agent:
         self._members: dict[str, Membership] = {}  # the queues we claim from: our peers there know us
         self._claims: weakref.WeakSet[ClaimedTask] = weakref.WeakSet()
         # Per queue: the rest of a look's own candidates, and the view's generation it was made
-        # at. Until something becomes claimable (the generation moves) they are still our best:
-        # only we take ours. One look serves several claims.
-        self._next: dict[str, tuple[int, list[Candidate]]] = {}
+        # at. Until something becomes claimable (the generation moves) those still candidates
+        # are still our best: only we take ours. One look serves several claims.
+        self._next: dict[str, tuple[int, list[str]]] = {}
         self._views_lock = threading.Lock()
 
     @classmethod
@@ -467,12 +467,12 @@ class Agent:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            candidates, recheck, ours = self._kept(queue, since) or self._pick(view, stop)
+            candidates, recheck, ours = self._kept(view, since) or self._pick(view, stop)
             claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
             if claimed is not None:
                 if rest and ours:
                     with self._views_lock:
-                        self._next[queue] = (since, rest)
+                        self._next[queue] = (since, [task.name for task, _ in rest])
                 return claimed
             wait = recheck
             if lost:
@@ -590,13 +590,15 @@ class Agent:
     def _holding(self) -> int:
         return sum(1 for claim in list(self._claims) if not claim.finished)
 
-    def _kept(self, queue: str, generation: int) -> tuple[list[Candidate], float, bool] | None:
-        """The rest of the last look's own candidates, if nothing became claimable since."""
+    def _kept(self, view: QueueView, generation: int) -> tuple[list[Candidate], float, bool] | None:
+        """The rest of the last look's own candidates still candidates, if nothing became
+        claimable since."""
         with self._views_lock:
-            kept = self._next.pop(queue, None)
+            kept = self._next.pop(view.queue, None)
         if kept is None or kept[0] != generation:
             return None
-        return kept[1], 60.0, True
+        candidates = view.still(kept[1], timestamps.now_utc())
+        return (candidates, 60.0, True) if candidates else None
 
     def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float, bool]:
         """What to try now, how long to wait before looking again if none of it is won, and
