@@ -32,6 +32,7 @@ class Membership:
         self._urgent = False
         self._wake = threading.Condition()
         self._stopping = False
+        self.writes = 0  # successful writes of our member Lease (the bench counts them)
         self._thread = threading.Thread(target=self._run, name=f"member-{lease.name}", daemon=True)
 
     def start(self) -> None:
@@ -68,6 +69,7 @@ class Membership:
                     log.warning("Lease %s is not a member Lease (a Task of that name?): this agent works "
                                 "without telling its peers, who may race it more", self._lease.name)
                     return
+                self.writes += 1
                 last = time.monotonic()
             except errors.TaskleaseError as exc:  # our peers count us for DURATION_S: try again soon
                 log.warning("could not write member Lease %s: %s", self._lease.name, exc)

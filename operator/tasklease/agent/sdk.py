@@ -417,6 +417,7 @@ class Agent:
         self._views: dict[str, QueueView] = {}
         self._unshare: list[Callable[[], None]] = []
         self._members: dict[str, Membership] = {}  # the queues we claim from: our peers there know us
+        self._member_writes = 0  # of the memberships closed
         self._claims: weakref.WeakSet[ClaimedTask] = weakref.WeakSet()
         # Per queue: the rest of a look's own candidates, and the view's generation it was made
         # at. Until something becomes claimable (the generation moves) those still candidates
@@ -553,6 +554,7 @@ class Agent:
         with self._views_lock:
             for member in self._members.values():
                 member.close()
+                self._member_writes += member.writes
             self._members.clear()
             for unshare in self._unshare:
                 unshare()
@@ -573,6 +575,11 @@ class Agent:
                 self._unshare.append(share(self.kube, namespace=self.namespace, queue=queue,
                                            tasks=view.task_watch, listeners=view.task_listeners))
             return view
+
+    def member_writes(self) -> int:
+        """How many times this agent wrote its member Leases: writes it makes besides its tasks'."""
+        with self._views_lock:
+            return self._member_writes + sum(member.writes for member in self._members.values())
 
     def _join(self, queue: str) -> Membership:
         """Become a member of `queue`, the first time we claim from it (a watch alone does not):
