@@ -295,7 +295,8 @@ class QueueView:
                     self._owners, self._owners_of = {}, peers
                 # Ours first, best first, and only as many judged as wanted: at 16 agents 15 of
                 # 16 names in the window are someone else's, and a claim tries one.
-                ours = sorted(((self._owner(n)[0], n) for n in names if self._owner(n)[1] == holder), reverse=True)
+                owned = ((self._owner(n), n) for n in names)
+                ours = sorted(((top, n) for (top, peer, _), n in owned if peer == holder), reverse=True)
                 mine: list[str] = []
                 for _, name in ours:
                     if len(mine) == limit:

@@ -54,6 +54,7 @@ _SPREAD_S = 0.1  # how long a thief holds back (by its weight, once more for an 
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
+_RECHECK_S = 60.0  # after a look whose candidates were all lost: the watch tells us sooner if anything changes
 _FINISH_TRIES = 3
 _CLI_PAGE = 20  # Tasks per page read by the one-shot claim: a page of 50 took a third of a GET+PUT longer
 _CONTAINER = re.compile(r"[A-Za-z0-9._-]+")  # no '/', ':' or '@': they separate a holder's parts
@@ -605,7 +606,7 @@ class Agent:
         if kept is None or kept[0] != generation:
             return None
         candidates = view.still(kept[1], timestamps.now_utc())
-        return (candidates, 60.0, True) if candidates else None
+        return (candidates, _RECHECK_S, True) if candidates else None
 
     def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float, bool]:
         """What to try now, how long to wait before looking again if none of it is won, and
@@ -628,7 +629,7 @@ class Agent:
             return [], _SPREAD_S, False
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
         # next look offers our others), or a thief's pick.
-        return candidates, 60.0, bool(division.ours)
+        return candidates, _RECHECK_S, bool(division.ours)
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
         return view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of, limit=_TRIES_PER_LOOK)

@@ -88,14 +88,11 @@ class MemberLease:
         (a Task named so): then this agent cannot tell its peers anything."""
         body = self._body(took, holding, left=left)
         if self._version:
-            body["metadata"]["resourceVersion"] = self._version
             try:
-                self._version = self._kube.merge_patch(LEASES, self.name, body, namespace=self._namespace,
-                                                       timeout=5)["metadata"]["resourceVersion"]
+                self._patch(body, self._version)
                 return True
             except (errors.Conflict, errors.NotFound):  # deleted or edited by someone else
                 self._version = ""
-                del body["metadata"]["resourceVersion"]
         if left:
             return True  # never written, or not ours any more: nothing to leave
         try:
@@ -106,10 +103,14 @@ class MemberLease:
             current = self._kube.get(LEASES, self.name, namespace=self._namespace, timeout=5)
         if (current["metadata"].get("labels") or {}).get(LABEL_AGENT_OF) != label_value(self._queue):
             return False
-        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        self._version = self._kube.merge_patch(LEASES, self.name, body, namespace=self._namespace,
-                                               timeout=5)["metadata"]["resourceVersion"]
+        self._patch(body, current["metadata"]["resourceVersion"])
         return True
+
+    def _patch(self, body: JSON, version: str) -> None:
+        """A merge patch conditional on `version`; remembers the version it makes."""
+        conditional = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
+        self._version = self._kube.merge_patch(LEASES, self.name, conditional, namespace=self._namespace,
+                                               timeout=5)["metadata"]["resourceVersion"]
 
     def _body(self, took: list[str], holding: int, *, left: bool) -> JSON:
         meta: JSON = {"name": self.name, "labels": {LABEL_AGENT_OF: label_value(self._queue)},
