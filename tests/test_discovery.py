@@ -9,10 +9,12 @@ import pytest
 
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
+from tasklease.agent import discovery
 from tasklease.agent.discovery import CandidateIndex, Owner, QueueView, compact, divide, expand, owner, weight
 from tasklease.api import errors
 from tasklease.api.timestamps import now_utc
-from tasklease.kube import TASKS, Kube
+from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.kube.watching import Reflector
 from tasklease.protocol import LeaseRecord, Protocol, TaskView, members, record
 
 
@@ -180,8 +182,44 @@ def test_an_agent_learns_what_is_taken_without_seeing_held_leases(kube: Kube) ->
                                            "annotations": {members.ANN_TOOK: '["fresh"]'}},
                               "spec": {"holderIdentity": "peer/x"}})
     assert view.claimable_count() == 1
-    candidates, division = view.choose("me/x", now_utc(), window=8)
+    candidates, division = view.choose("peer/x", now_utc(), window=8)
     assert [t.name for t, _ in candidates] == ["retried"]
+
+
+def test_a_thief_leaves_a_new_task_to_its_owner_until_it_could_have_been_told_taken(kube: Kube) -> None:
+    """A task its owner claimed by creating its Lease is known taken only once the operator
+    projects it or the owner's member Lease tells (`members.TELL_S`): until then a thief
+    that took it would only lose the race."""
+    clock = [100.0]
+    view = QueueView(kube, namespace="ns", queue="q", clock=lambda: clock[0])  # fed by hand: never started
+    view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x")},
+                              "spec": {"holderIdentity": "peer/x"}})
+    everyone = ["peer/x", "me/x"]
+    theirs = [n for n in (f"t-{i}" for i in range(50)) if owner(everyone, n)[1] == "peer/x"][:3]
+    mine = next(n for n in (f"m-{i}" for i in range(50)) if owner(everyone, n)[1] == "me/x")
+
+    def task(name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                             "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"queue": "q"}}
+    view._on_task("ADDED", task(theirs[2]))  # in the first list: not new, nobody is telling of it
+    assert [t.name for t, _ in view.choose("me/x", now_utc(), window=8)[0]] == [theirs[2]]
+    view._on_task("DELETED", task(theirs[2]))
+    view.task_watch.synced.set()  # what comes now is new
+    for name in theirs[:2]:
+        view._on_task("ADDED", task(name))
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    assert candidates == [] and division.ripe_in_s == pytest.approx(discovery._RIPE_S)
+    clock[0] += discovery._RIPE_S - 0.25
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    assert candidates == [] and division.ripe_in_s == pytest.approx(0.25)
+    view._on_task("ADDED", task(mine))  # our own is ours at once
+    assert [t.name for t, _ in view.choose("me/x", now_utc(), window=8)[0]] == [mine]
+    view._on_task("DELETED", task(mine))
+    # The owner took one and its projection came (Running: an attempt); the other it did not take.
+    view._on_task("MODIFIED", {**task(theirs[0]), "status": {"attempt": 1, "phase": "Running"}})
+    clock[0] += 0.5
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    assert [t.name for t, _ in candidates] == [theirs[1]] and division.ours == 0 and division.ripe_in_s == 0
 
 
 def test_candidates_kept_from_an_earlier_look_are_not_claimed_once_cancelled(kube: Kube) -> None:
@@ -219,3 +257,30 @@ def test_an_open_task_kept_compact_reads_back_the_same() -> None:
         text = compact(task)
         assert expand(text, name="t-1", namespace="ns") == TaskView.of(task)
     assert len(compact(base)) < 120  # the defaults the API server filled in are not kept
+
+
+def test_a_member_tells_only_of_claims_the_operator_did_not_project_in_time(kube: Kube) -> None:
+    """The operator's Running projection tells every agent that a task is taken: its claimer
+    writes only the claims it did not see projected within `members.TELL_S`."""
+    for name in ("tell-a", "tell-b"):
+        make_task(kube, name, queue="tell")
+    told: list[str] = []  # every name any member Lease of the queue ever told
+    tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector("tell"),
+                      listener=lambda kind, obj: told.extend(members.decode(obj).took), keep_objects=False)
+    tells.start()
+    peer = QueueView(kube, namespace=kube.namespace, queue="tell")  # what another agent hears
+    peer.start()
+    agent = Agent(kube, identity=Identity(pod="tell-agent", instance="a"))
+    try:
+        projected, unprojected = agent.claim("tell", timeout=30), agent.claim("tell", timeout=30)
+        # As the operator does: Running, with the attempt, before TELL_S has passed.
+        task = kube.get(TASKS, projected.name)
+        task["status"] = {"phase": "Running", "attempt": 1}
+        kube.replace(TASKS, task, sub="status")
+        wait_for(lambda: unprojected.name in told, message="the unprojected claim told by the member Lease")
+        assert projected.name not in told and agent.member_writes().told == 1
+        wait_for(lambda: peer.claimable_count() == 0, message="both known taken to the peer")
+    finally:
+        agent.close()
+        peer.stop()
+        tells.stop()

@@ -37,8 +37,13 @@ from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]
 _SPREAD_PER_HOLDER = 8
-# A peer that claimed this recently is at it: the tasks it owns are left to it.
-_ACTIVE = timedelta(seconds=1)
+# A peer that told of a claim this recently is at it: the tasks it owns are left to it.
+_ACTIVE = timedelta(seconds=2 * members.TELL_S)
+# Another's task that became claimable without a Lease (new, or its start came) less than
+# this ago may be its owner's already: claimed by creating its Lease, which no watch of ours
+# shows, and neither the operator's projection nor the owner's member Lease has told us yet.
+# (A claim of a free Lease reaches us at once: the Lease leaves our watch.)
+_RIPE_S = members.TELL_S + 0.5
 _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 
@@ -99,6 +104,7 @@ class Division:
     ours: int  # how many are ours: all of `names`, or none
     owner: Owner | None  # when none is ours: what the owner of the first is doing
     deputy: bool = False  # when none is ours: we are the first's deputy, the first thief in line
+    ripe_in_s: float = 0.0  # when nothing is offered: how soon another's task may be taken (`_RIPE_S`)
 
 
 def divide(me: str, names: list[str], owners: Callable[[str], Ownership],
@@ -212,8 +218,11 @@ class CandidateIndex:
 class QueueView:
     """A live, thread-safe picture of one queue's open tasks, their Leases and which are claimable."""
 
-    def __init__(self, kube: Kube, *, namespace: str, queue: str) -> None:
+    def __init__(self, kube: Kube, *, namespace: str, queue: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: seconds, for how long tasks have been candidates (tests inject one)."""
         self.queue = queue
+        self._clock = clock
         self._namespace = namespace
         # Every open task as compact JSON (what `TaskView.of` reads, nothing else): a few hundred
         # bytes where a TaskView takes about two kilobytes. Views are decoded again on demand and
@@ -226,6 +235,7 @@ class QueueView:
         # we knew then ("" for none): not claimable until their Lease is seen free in another version.
         self._taken: dict[str, str] = {}
         self._index = CandidateIndex()
+        self._fresh: OrderedDict[str, float] = OrderedDict()  # see _RIPE_S: name → since when
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
         self._members: dict[str, Peer] = {}  # member Lease name → the agent at work; candidates are divided among them
         self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
@@ -306,12 +316,15 @@ class QueueView:
                     return ([(self._view(n), self._with_history(n)) for n in mine],
                             Division(names=mine, ours=len(mine), owner=None))
                 ready = self._ready(names, now)
-                if ready:
-                    claiming = {m.holder for m in live if now - m.claimed < _ACTIVE}
-                    division = divide(holder, ready, self._owner, claiming, {m.holder for m in live if m.holding})
-                    if division.ours or len(names) < window or window >= _DEEPEST:
-                        return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
+                if ready and len(names) == window and window < _DEEPEST:
                     window *= 4  # none of these is ours, and the band has more
+                elif ready:
+                    ripe, ripe_in = self._ripe(ready)
+                    if not ripe:
+                        return [], Division(names=[], ours=0, owner=None, ripe_in_s=ripe_in)
+                    claiming = {m.holder for m in live if now - m.claimed < _ACTIVE}
+                    division = divide(holder, ripe, self._owner, claiming, {m.holder for m in live if m.holding})
+                    return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
 
     def still(self, names: list[str], now: datetime) -> list[Candidate]:
         """Those of `names` (an earlier look's) still candidates at `now`, as the view has them
@@ -319,6 +332,26 @@ class QueueView:
         with self._changed:
             return [(self._view(n), self._with_history(n)) for n in names
                     if n in self._index and self._ready([n], now)]
+
+    def _ripe(self, names: list[str]) -> tuple[list[str], float]:
+        """Caller holds the lock. Those of `names` (others' candidates) that may be taken from
+        their owners now; and, if none, how soon the first may."""
+        clock = self._clock()
+        self._forget_ripe(clock)
+        ripe = [n for n in names if n not in self._fresh]
+        return ripe, 0.0 if ripe else min(self._fresh[n] for n in names) + _RIPE_S - clock
+
+    def _note_fresh(self, name: str) -> None:
+        """Caller holds the lock."""
+        clock = self._clock()
+        self._forget_ripe(clock)
+        self._fresh[name] = clock
+        self._fresh.move_to_end(name)
+
+    def _forget_ripe(self, clock: float) -> None:
+        """Caller holds the lock."""
+        while self._fresh and next(iter(self._fresh.values())) <= clock - _RIPE_S:
+            self._fresh.popitem(last=False)
 
     def _ready(self, names: list[str], now: datetime) -> list[str]:
         """Caller holds the lock. Those of `names` claimable at `now`; the others are judged
@@ -492,6 +525,8 @@ class QueueView:
         found = blocker(task, rec, now)
         if found is None:
             if self._index.add(name, task.spec.priority, task.created):
+                if rec is None and self.task_watch.synced.is_set():  # the first list's tasks are not new
+                    self._note_fresh(name)
                 self._bump()
             return
         self._index.discard(name)

@@ -39,7 +39,7 @@ from tasklease.protocol import record
 from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
 from tasklease.agent.discovery import Candidate, Division, Owner, QueueView, task_selector, weight
-from tasklease.agent.membership import Membership
+from tasklease.agent.membership import Membership, Writes
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView
 from tasklease.protocol.members import MemberLease
@@ -418,7 +418,7 @@ class Agent:
         self._views: dict[str, QueueView] = {}
         self._unshare: list[Callable[[], None]] = []
         self._members: dict[str, Membership] = {}  # the queues we claim from: our peers there know us
-        self._member_writes = 0  # of the memberships closed
+        self._member_writes = Writes()  # of the memberships closed
         self._claims: weakref.WeakSet[ClaimedTask] = weakref.WeakSet()
         # Per queue: the rest of a look's own candidates, and the view's generation it was made
         # at. Until something becomes claimable (the generation moves) those still candidates
@@ -462,7 +462,7 @@ class Agent:
         timeout or when `stop` is set. `interrupt`: raise LostLease in the claiming thread if
         the lease is lost while inside the task's `with` block."""
         view = self.watch(queue)
-        member = self._join(queue)
+        member = self._join(view)
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
         while True:
@@ -577,22 +577,23 @@ class Agent:
                                            tasks=view.task_watch, listeners=view.task_listeners))
             return view
 
-    def member_writes(self) -> int:
+    def member_writes(self) -> Writes:
         """How many times this agent wrote its member Leases: writes it makes besides its tasks'."""
         with self._views_lock:
-            return self._member_writes + sum(member.writes for member in self._members.values())
+            return sum((member.writes for member in self._members.values()), self._member_writes)
 
-    def _join(self, queue: str) -> Membership:
-        """Become a member of `queue`, the first time we claim from it (a watch alone does not):
-        from now on our peers leave our share of its tasks to us."""
+    def _join(self, view: QueueView) -> Membership:
+        """Become a member of `view`'s queue, the first time we claim from it (a watch alone
+        does not): from now on our peers leave our share of its tasks to us."""
         with self._views_lock:
-            member = self._members.get(queue)
+            member = self._members.get(view.queue)
             if member is None:
                 pod = (self.identity.pod, self.identity.pod_uid) if self.identity.pod_uid else None
-                member = Membership(MemberLease(self.kube, namespace=self.namespace, queue=queue,
+                member = Membership(MemberLease(self.kube, namespace=self.namespace, queue=view.queue,
                                                 holder=self.identity.holder, pod=pod), holding=self._holding)
+                view.task_listeners.append(member.seen)  # the operator's projections tell our claims for us
                 member.start()
-                self._members[queue] = member
+                self._members[view.queue] = member
             return member
 
     def _holding(self) -> int:
@@ -627,6 +628,9 @@ class Agent:
             # All that is left belongs to agents that are claiming: they take it themselves.
             # Look again shortly (no request), in case one of them stops.
             return [], _SPREAD_S, False
+        if division.ripe_in_s:
+            # All that is left is others' and new: their owners may have taken it already.
+            return [], division.ripe_in_s, False
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
         # next look offers our others), or a thief's pick.
         return candidates, _RECHECK_S, bool(division.ours)
@@ -646,9 +650,9 @@ class Agent:
                 lost.append(task.name)  # another agent won; the next candidate is another task
                 view.mark_taken(task.name, rec)
                 continue
-            # Ours now: no watch of ours will show it (it is not free), our peers hear it from us.
+            # Ours now: no watch of ours will show it (it is not free). Our peers: see `Membership.took`.
             view.mark_taken(task.name, rec)
-            member.took(task.name, stolen=not ours)
+            member.took(task.name, created=rec is None, stolen=not ours)
             claimed = self._claimed(task, held, interrupt=interrupt)
             self._claims.add(claimed)
             return claimed, lost, candidates[i + 1:]

@@ -380,7 +380,8 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
             "cpu_ms_per_task": {name: 1000 * used / done for name, used in
                                 {**plane_cpu, "workers": workers_cpu}.items()} if done else {},
             "conflicts": sum(r["conflicts"] for r in reports), "rss_mb": max(r["rss_mb"] for r in reports),
-            "member_writes": sum(r.get("member_writes", 0) for r in reports),
+            "member_told": sum(r.get("member_told", 0) for r in reports),
+            "member_liveness": sum(r.get("member_liveness", 0) for r in reports),
             "sync_s": max(sync), "wakeups": [r.get("wakeups", 0) for r in reports],
             "cpu_s": [r.get("cpu_s", 0.0) for r in reports], **_percentiles(latencies)}
 
@@ -445,7 +446,8 @@ def _worker(args: argparse.Namespace) -> Results:
             done = agent.work("bench", lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
             report = {"cpu_s": _cpu_s() - cpu}
         agent.close()
-        report["member_writes"] = agent.member_writes()
+        writes = agent.member_writes()
+        report.update(member_told=writes.told, member_liveness=writes.liveness)
     rss_mb = _peak_rss_mb()
     return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "rss_mb": rss_mb, **report}
 
@@ -602,12 +604,16 @@ def _operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: flo
     finally:
         watch.stop()
         _stop(operator)
-    # One claim and one completion each (409s are not successful writes), and the agents'
-    # member Leases: written per agent and half second while it claims, not per task.
-    agent_writes = 2 * tasks + report["member_writes"]
+    # One claim and one completion each (409s are not successful writes), and the member Lease
+    # writes that told of claims (those the operator did not project within TELL_S). The
+    # members' liveness writes are per agent and time, as the operator's leader Lease
+    # renewals are: shown beside, per agent and minute.
+    agent_writes = 2 * tasks + report["member_told"]
+    minutes = report["done"] / report["rate"] / 60
     return {"writes_per_task_operator": (agent_writes + status_writes + events) / tasks,
             "status_writes_per_task": status_writes / tasks, "events_per_task": events / tasks,
-            "member_writes_per_task": report["member_writes"] / tasks,
+            "member_told_per_task": report["member_told"] / tasks,
+            "member_liveness_per_agent_min": report["member_liveness"] / agents / minutes,
             "projection_lag_p50_s": statistics.median(lags), "projection_lag_p99_s": _p99(lags),
             "flow_conflicts_per_task": report["conflicts"] / tasks}
 

@@ -7,8 +7,10 @@ reaching every agent of the queue (at 16 agents, 32 deliveries per task, which c
 than the task's own writes). Instead each agent at work keeps a member Lease of its own:
 
 - `holderIdentity`: the agent; none means it left.
-- `tasklease.dev/took`: the tasks it claimed since its previous write. Its peers learn of a
-  claim made by creating a task's Lease, which they do not watch, from this.
+- `tasklease.dev/took`: tasks it claimed by creating their Lease (which its peers do not
+  watch) since its previous write, and that the operator had not yet told them of within
+  `TELL_S` (a Task projected Running, or finished, is known taken to every agent). With the
+  operator keeping up, a member writes no claim at all: its member Lease only says it is alive.
 - `tasklease.dev/holding`: how many leases it holds: a thief takes from busy agents first.
 - `leaseDurationSeconds`: a member not seen written for that long is gone.
 
@@ -34,6 +36,9 @@ LABEL_AGENT_OF: Final = "tasklease.dev/agent-of"
 ANN_TOOK: Final = "tasklease.dev/took"
 ANN_HOLDING: Final = "tasklease.dev/holding"
 DURATION_S: Final = 10
+# A member tells of a claim within this, if the operator has not: a task claimable for longer
+# than this (plus the time a watch takes) was not taken by its owner, whichever told.
+TELL_S: Final = 1.0
 
 
 def selector(queue: str) -> str:
