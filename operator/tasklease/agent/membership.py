@@ -90,16 +90,11 @@ class Membership:
         return max(due, not_before - now)
 
     def _tell(self) -> dict[str, float]:
-        """Caller holds the lock. Takes the claims this write tells of: all if one was stolen,
-        else those not projected within TELL_S (a younger one may still be)."""
-        if self._urgent:
-            told, self._untold, self._urgent = self._untold, {}, False
-            return told
-        told = {}
-        limit = time.monotonic() - TELL_S
-        while self._untold and next(iter(self._untold.values())) <= limit:  # oldest first
-            name = next(iter(self._untold))
-            told[name] = self._untold.pop(name)
+        """Caller holds the lock. Takes the claims this write tells of: all of them once one was
+        stolen, or one was not projected within TELL_S (the younger ones too: one write for
+        several); none in a write that only says we are alive (they may still be projected)."""
+        due = self._urgent or bool(self._untold) and next(iter(self._untold.values())) <= time.monotonic() - TELL_S
+        told, self._untold, self._urgent = (self._untold, {}, False) if due else ({}, self._untold, False)
         return told
 
     def _run(self) -> None:
