@@ -284,3 +284,24 @@ def test_a_member_tells_only_of_claims_the_operator_did_not_project_in_time(kube
         agent.close()
         peer.stop()
         tells.stop()
+
+
+def test_a_first_claim_waits_until_the_agent_sees_itself_a_member(kube: Kube) -> None:
+    """Agents started together would each take the whole queue for theirs: an agent's first
+    claim is made once its own member Lease is in its picture, and with it every peer that
+    joined before (one watch, in order)."""
+    make_task(kube, "j-0", queue="join")
+    agent = Agent(kube, identity=Identity(pod="join-agent", instance="a"))
+    view = agent.watch("join")
+    members_at_claim: list[list[str]] = []
+    claim = agent.protocol.claim
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        members_at_claim.append([m.holder for m in view._members.values()])
+        return claim(*args, **kwargs)
+    agent.protocol.claim = spying  # type: ignore[method-assign]
+    try:
+        agent.claim("join", timeout=30).complete("done")
+        assert members_at_claim == [[agent.identity.holder]]
+    finally:
+        agent.close()

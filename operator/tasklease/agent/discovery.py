@@ -385,6 +385,12 @@ class QueueView:
         with self._changed:
             self._changed.wait_for(lambda: self._generation != since, timeout=timeout_s)
 
+    def wait_for_member(self, holder: str, timeout_s: float) -> bool:
+        """Wait until `holder`'s member Lease is in our picture, or `timeout_s`."""
+        with self._changed:
+            return self._changed.wait_for(lambda: any(m.holder == holder for m in self._members.values()),
+                                          timeout=timeout_s)
+
     def mark_taken(self, name: str, tried: LeaseRecord | None) -> None:
         """After a claim of `name` made on `tried` (its free Lease, or none), ours or a lost race:
         skip it until its Lease is seen free in another version."""

@@ -54,6 +54,7 @@ _SPREAD_S = 0.1  # how long a thief holds back (by its weight, once more for an 
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
+_JOIN_S = 2.0  # the longest a first claim waits to see its own member Lease
 _RECHECK_S = 60.0  # after a look whose candidates were all lost: the watch tells us sooner if anything changes
 _FINISH_TRIES = 3
 _CLI_PAGE = 20  # Tasks per page read by the one-shot claim: a page of 50 took a third of a GET+PUT longer
@@ -587,6 +588,7 @@ class Agent:
         does not): from now on our peers leave our share of its tasks to us."""
         with self._views_lock:
             member = self._members.get(view.queue)
+            joining = member is None
             if member is None:
                 pod = (self.identity.pod, self.identity.pod_uid) if self.identity.pod_uid else None
                 member = Membership(MemberLease(self.kube, namespace=self.namespace, queue=view.queue,
@@ -594,7 +596,11 @@ class Agent:
                 view.task_listeners.append(member.seen)  # the operator's projections tell our claims for us
                 member.start()
                 self._members[view.queue] = member
-            return member
+        if joining:
+            # Agents that joined before us are in our picture once we are (one watch, in order):
+            # claiming sooner, agents started together would each take the whole queue for theirs.
+            view.wait_for_member(self.identity.holder, _JOIN_S)
+        return member
 
     def _holding(self) -> int:
         return sum(1 for claim in list(self._claims) if not claim.finished)
