@@ -208,10 +208,10 @@ def test_a_thief_leaves_a_new_task_to_its_owner_until_it_could_have_been_told_ta
     for name in theirs[:2]:
         view._on_task("ADDED", task(name))
     candidates, division = view.choose("me/x", now_utc(), window=8)
-    assert candidates == [] and division.ripe_in_s == pytest.approx(discovery._RIPE_S)
+    assert candidates == [] and division.wait_s == pytest.approx(discovery._RIPE_S)
     clock[0] += discovery._RIPE_S - 0.25
     candidates, division = view.choose("me/x", now_utc(), window=8)
-    assert candidates == [] and division.ripe_in_s == pytest.approx(0.25)
+    assert candidates == [] and division.wait_s == pytest.approx(0.25)
     view._on_task("ADDED", task(mine))  # our own is ours at once
     assert [t.name for t, _ in view.choose("me/x", now_utc(), window=8)[0]] == [mine]
     view._on_task("DELETED", task(mine))
@@ -219,7 +219,14 @@ def test_a_thief_leaves_a_new_task_to_its_owner_until_it_could_have_been_told_ta
     view._on_task("MODIFIED", {**task(theirs[0]), "status": {"attempt": 1, "phase": "Running"}})
     clock[0] += 0.5
     candidates, division = view.choose("me/x", now_utc(), window=8)
-    assert [t.name for t, _ in candidates] == [theirs[1]] and division.ours == 0 and division.ripe_in_s == 0
+    assert [t.name for t, _ in candidates] == [theirs[1]] and division.ours == 0 and division.wait_s == 0
+    # The owner tells of a claim (the operator is down): it is at work, and takes its own itself.
+    view._on_member("MODIFIED", {"metadata": {"name": members.lease_name("q", "peer/x"),
+                                              "annotations": {members.ANN_TOOK: '["elsewhere"]'}},
+                                 "spec": {"holderIdentity": "peer/x"}})
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    active = discovery._ACTIVE.total_seconds()
+    assert division.owner is Owner.CLAIMING and active - 1 < division.wait_s <= active  # until its mark runs out
 
 
 def test_candidates_kept_from_an_earlier_look_are_not_claimed_once_cancelled(kube: Kube) -> None:

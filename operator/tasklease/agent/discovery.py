@@ -104,7 +104,9 @@ class Division:
     ours: int  # how many are ours: all of `names`, or none
     owner: Owner | None  # when none is ours: what the owner of the first is doing
     deputy: bool = False  # when none is ours: we are the first's deputy, the first thief in line
-    ripe_in_s: float = 0.0  # when nothing is offered: how soon another's task may be taken (`_RIPE_S`)
+    # When none may be taken now: how soon to look again (a new task ripens, `_RIPE_S`, or a
+    # claiming owner's mark runs out, `_ACTIVE`), unless something changes first.
+    wait_s: float = 0.0
 
 
 def divide(me: str, names: list[str], owners: Callable[[str], Ownership],
@@ -321,9 +323,11 @@ class QueueView:
                 elif ready:
                     ripe, ripe_in = self._ripe(ready)
                     if not ripe:
-                        return [], Division(names=[], ours=0, owner=None, ripe_in_s=ripe_in)
-                    claiming = {m.holder for m in live if now - m.claimed < _ACTIVE}
+                        return [], Division(names=[], ours=0, owner=None, wait_s=ripe_in)
+                    claiming = {m.holder: m.claimed for m in live if now - m.claimed < _ACTIVE}
                     division = divide(holder, ripe, self._owner, claiming, {m.holder for m in live if m.holding})
+                    if division.owner is Owner.CLAIMING:  # all of them: a thief takes from claiming owners last
+                        division = replace(division, wait_s=(min(claiming.values()) + _ACTIVE - now).total_seconds())
                     return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
 
     def still(self, names: list[str], now: datetime) -> list[Candidate]:

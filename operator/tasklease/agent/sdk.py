@@ -50,7 +50,7 @@ RENEWS_PER_DURATION = 3
 RENEW_DEADLINE_FRACTION = 2 / 3
 _RETRY_S = 1.0
 _CATCH_UP_S = 0.5
-_SPREAD_S = 0.1  # how long a thief holds back (by its weight, once more for an idle owner); how often it looks again
+_SPREAD_S = 0.1  # how long a thief holds back (by its weight, once more for an idle owner); the least it waits to look again
 _LOST_ROUNDS = 3  # looks in a row that lost every race before waiting for the watch
 _TRIES_PER_LOOK = 4  # a picture so stale that this many races are lost is not worth more requests
 _STOP_CHECK_S = 0.5
@@ -630,13 +630,11 @@ class Agent:
             elif stop.wait(pause):
                 raise errors.NothingToClaim("stopped")
             candidates, division = self._look(view)
-        if division.owner is Owner.CLAIMING:
-            # All that is left belongs to agents that are claiming: they take it themselves.
-            # Look again shortly (no request), in case one of them stops.
-            return [], _SPREAD_S, False
-        if division.ripe_in_s:
-            # All that is left is others' and new: their owners may have taken it already.
-            return [], division.ripe_in_s, False
+        if division.owner is Owner.CLAIMING or division.wait_s:
+            # All that is left belongs to agents that are claiming (they take it themselves), or
+            # is others' and new (their owners may have it already). Look again when that may
+            # have changed; a peer that leaves, or a task freed, wakes us sooner.
+            return [], max(division.wait_s, _SPREAD_S), False
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
         # next look offers our others), or a thief's pick.
         return candidates, _RECHECK_S, bool(division.ours)
