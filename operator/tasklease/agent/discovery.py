@@ -5,8 +5,9 @@ CRD selectable field, and the phase), its queue's *free* Leases only (`tasklease
 and its queue's member Leases (`protocol.members`: who works the queue, and what they took). A
 claim, a renewal or a completion of a task's Lease reaches no other agent: a Lease that
 stops being free arrives as DELETED, which means exactly "no longer claimable"; a task
-claimed by creating its Lease is learnt from its claimer's member Lease, a batch of names
-at a time. Agents divide the tasks among the members, so none needs to hear of each claim.
+claimed by creating its Lease is learnt from the operator's projection of its Task or,
+failing that, from its claimer's member Lease, a batch of names at a time. Agents divide
+the tasks among the members, so none needs to hear of each claim.
 
 Each event re-judges one task with the one claimability rule (`rules.blocker`) and updates
 the index in O(log n). No polling: a waiting agent sleeps until something becomes
