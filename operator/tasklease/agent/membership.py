@@ -93,8 +93,11 @@ class Membership:
         """Caller holds the lock. Takes the claims this write tells of: all of them once one was
         stolen, or one was not projected within TELL_S (the younger ones too: one write for
         several); none in a write that only says we are alive (they may still be projected)."""
-        due = self._urgent or bool(self._untold) and next(iter(self._untold.values())) <= time.monotonic() - TELL_S
-        told, self._untold, self._urgent = (self._untold, {}, False) if due else ({}, self._untold, False)
+        overdue = bool(self._untold) and next(iter(self._untold.values())) <= time.monotonic() - TELL_S
+        due, self._urgent = self._urgent or overdue, False
+        if not due:
+            return {}
+        told, self._untold = self._untold, {}
         return told
 
     def _run(self) -> None:
