@@ -128,6 +128,27 @@ def test_the_patch_keeps_foreign_labels_and_removes_only_ours() -> None:
     assert patch["spec"]["leaseTransitions"] == 2
 
 
+def test_the_holders_put_is_the_lease_as_read_made_to_say_the_record() -> None:
+    held = claimed(_task(), None, "pod/1", NOW)
+    read = record.encode(held)
+    read["metadata"].update(uid="lease-uid", resourceVersion="17", managedFields=[{"manager": "x"}],
+                            finalizers=["example.com/keep"])
+    read["metadata"]["labels"]["team"] = "blue"
+    read["metadata"]["annotations"]["note"] = "mine"
+    rec = record.decode(read)
+    freed = requeued(rec, _task().spec, outcome="Released", message="", now=NOW, backoff=False)
+    body = record.encode_replacement(freed)
+    meta = body["metadata"]
+    # Conditional on the version read, and on the uid: a Lease that is gone is not created anew.
+    assert (meta["resourceVersion"], meta["uid"]) == ("17", "lease-uid")
+    assert "managedFields" not in meta  # the API server keeps its own
+    assert meta["finalizers"] == ["example.com/keep"] and meta["labels"]["team"] == "blue"
+    assert meta["annotations"]["note"] == "mine"  # what we do not own stays as read
+    assert record.LABEL_HOLDER_POD not in meta["labels"]  # ours, removed: the Lease is free
+    assert meta["labels"][record.LABEL_STATE] == record.FREE and "holderIdentity" not in body["spec"]
+    assert record.decode(body) == freed  # says exactly the record
+
+
 def test_status_never_moves_the_attempt_down() -> None:
     from tasklease.operator import projection
 

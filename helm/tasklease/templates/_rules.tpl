@@ -80,6 +80,7 @@
   - watch
   - create
   - patch
+  - update
 - apiGroups:
   - ''
   resources:

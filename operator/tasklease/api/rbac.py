@@ -39,9 +39,10 @@ OPERATOR_CLUSTER: Final[list[Rule]] = [
 
 AGENT: Final[list[Rule]] = [
     {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch"]},
-    # Claim (create or patch), renew, complete, fail, release. Never delete: that would reset the epoch.
+    # Claim (create or patch), renew, complete, fail, release (update: the holder's PUT). Never
+    # delete: that would reset the epoch.
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-     "verbs": ["get", "list", "watch", "create", "patch"]},
+     "verbs": ["get", "list", "watch", "create", "patch", "update"]},
     # Tell a namespace that does not exist (exit 5) from an empty queue (exit 3).
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]},
 ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from tasklease.api import errors, models
 from tasklease.api.timestamps import Clock, now_utc
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.protocol.record import CLOSED, HELD, LeaseRecord, decode, encode, encode_patch
+from tasklease.protocol.record import CLOSED, HELD, LeaseRecord, decode, encode, encode_patch, encode_replacement
 from tasklease.protocol.rules import (
     TaskView,
     attempts_used,
@@ -196,13 +196,19 @@ class Protocol:
         stripped, so that the watches (the operator's and the agents', by label) see it again."""
         return self._write(replace(rec, queue=task.spec.queue))
 
-    def _write(self, rec: LeaseRecord, *, create: bool = False, timeout: float = 30) -> LeaseRecord:
-        """Only a claim (or the operator closing a never-claimed task) creates; every other
-        write is a conditional PATCH that answers 404 (NotFound) if the Lease is gone."""
+    def _write(self, rec: LeaseRecord, *, create: bool = False, whole: bool = False,
+               timeout: float = 30) -> LeaseRecord:
+        """Only a claim (or the operator closing a never-claimed task) creates. A holder's
+        write (`whole`: `rec` was made from the Lease as last read, `rec.raw`) is a PUT of
+        the whole Lease, conditional on its resourceVersion and uid (409 if it moved or is
+        gone); every other write, made from a watcher's picture without the whole Lease,
+        is a conditional merge PATCH (404 if the Lease is gone)."""
         if create:
             body = encode(rec)
             body["metadata"].pop("resourceVersion", None)
             return decode(self.kube.create(LEASES, body, namespace=rec.namespace, timeout=timeout))
+        if whole:
+            return decode(self.kube.replace(LEASES, encode_replacement(rec), timeout=timeout))
         return decode(self.kube.merge_patch(LEASES, rec.name, encode_patch(rec), namespace=rec.namespace,
                                             timeout=timeout))
 
@@ -216,7 +222,7 @@ class Protocol:
 
     def _as_holder(self, held: Held, change: Callable[[LeaseRecord], LeaseRecord], *,
                    timeout: float = 30) -> Held:
-        """Apply `change` to the Lease as we last wrote it: one conditional PATCH. A 409 is re-read: an
+        """Apply `change` to the Lease as we last wrote it: one conditional PUT. A 409 is re-read: an
         unrelated write (a label added by hand) leaves ownership intact and is retried; our
         own earlier write whose answer was lost (a retried completion) counts as done;
         anything else is a lost lease."""
@@ -224,7 +230,7 @@ class Protocol:
         for _ in range(5):
             intended = change(rec)
             try:
-                return replace(held, record=self._write(intended, timeout=timeout))
+                return replace(held, record=self._write(intended, whole=True, timeout=timeout))
             except errors.Conflict:
                 current = self.read(held.namespace, held.name, timeout=timeout)
                 if current is not None and _already_applied(current, intended, held):
