@@ -47,6 +47,7 @@ _ACTIVE = timedelta(seconds=2 * members.TELL_S)
 _RIPE_S = members.TELL_S + 0.5
 _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
+_OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
 
 
 def task_selector(queue: str) -> str:
@@ -304,7 +305,9 @@ class QueueView:
                 names = self._index.best(window)
                 if not names:
                     return [], Division(names=[], ours=0, owner=None)
-                if peers != self._owners_of or len(self._owners) > 4 * window:
+                # Kept across looks (each starts shallow again, and a deep one needs the owners of
+                # all it passes); bounded, as taken tasks leave their entries behind.
+                if peers != self._owners_of or len(self._owners) > _OWNERS_KEPT:
                     self._owners, self._owners_of = {}, peers
                 # Ours first, best first, and only as many judged as wanted: at 16 agents 15 of
                 # 16 names in the window are someone else's, and a claim tries one.
