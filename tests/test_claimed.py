@@ -22,6 +22,9 @@ class CountingProtocol:
         self.renewals += 1
         return held
 
+    def complete(self, held: Held, result: str) -> Held:
+        return held
+
 
 def _claim(protocol: Any) -> ClaimedTask:
     spec = models.TaskSpec(queue="q", lease_duration_seconds=5)
@@ -41,3 +44,19 @@ def test_a_claim_dropped_without_an_ending_stops_being_renewed() -> None:
     del task
     gc.collect()
     wait_for(lambda: not _renewers(), timeout=10, message="the renew thread to end")
+
+
+def test_a_claim_ended_before_its_first_renewal_never_starts_a_renew_thread(monkeypatch: Any) -> None:
+    started: list[str] = []
+
+    class Counted(threading.Thread):
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+    monkeypatch.setattr(threading, "Thread", Counted)
+    short, long = CountingProtocol(), CountingProtocol()
+    _claim(short).complete("done at once")
+    held = _claim(long)  # due after the first: once it is renewed, the first's turn has come and gone
+    wait_for(lambda: long.renewals >= 1, timeout=10, message="the second claim's first renewal")
+    assert short.renewals == 0 and started.count("renew-t") == 1
+    held.complete("done")
