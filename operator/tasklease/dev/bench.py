@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", nargs="?", type=int, const=100000, default=0, metavar="N",
                         help="also create N tasks (default 100,000) and drain them all with the operator on and "
                         "the most agents of --agents (adds about 40 minutes on 2 cores)")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="SDK and raw floor cases run this many times at each agent count, in pairs "
+                        "(order alternating); SDK ÷ raw is the median of the pairs' ratios")
     parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
     parser.add_argument("--worker", choices=[*FLOORS, "sdk", "idle"], help=argparse.SUPPRESS)
     parser.add_argument("--kubeconfig", help=argparse.SUPPRESS)
@@ -148,7 +151,19 @@ def _bench(args: argparse.Namespace, state: ClusterState) -> int:
         case["sdk"] = sdk = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
                                                     drain=args.tasks))
         res["cases"][n] = case
-        res[f"sdk_vs_floor_{n}"] = sdk["rate"] / case["raw"]["rate"]
+        # One ratio of two rates is at the mercy of this machine's load from one minute to the
+        # next (the raw floor alone has measured 110 to 360 tasks/s): more pairs, side by side,
+        # the later ones in alternating order, and their median.
+        ratios = [sdk["rate"] / case["raw"]["rate"]]
+        for i in range(args.pairs - 1):
+            pair = {mode: space(functools.partial(_floor_case, mode, kubeconfig=kubeconfig, workers=n,
+                                                  tasks=args.tasks)) if mode == "raw" else
+                    space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
+                                            drain=args.tasks))
+                    for mode in (("sdk", "raw") if i % 2 == 0 else ("raw", "sdk"))}
+            ratios.append(pair["sdk"]["rate"] / pair["raw"]["rate"])
+        res[f"sdk_vs_floor_pairs_{n}"] = ratios
+        res[f"sdk_vs_floor_{n}"] = statistics.median(ratios)
         for mode in FLOORS[1:]:
             res[f"{mode}_floor_vs_floor_{n}"] = case[mode]["rate"] / case["raw"]["rate"]
         res[f"conflicts_per_task_{n}"] = sdk["conflicts"] / args.tasks
@@ -780,6 +795,10 @@ def _report(res: Results, counts: list[int]) -> None:
         print(f"{n:>6} " + " ".join(f"{case[m]['rate']:8.1f} ({case[m]['rate'] / case['raw']['rate']:4.2f})"
                                     for m in modes) +
               f" {_ms(case['sdk'].get('p50'))} {_ms(case['sdk'].get('p95'))} {case['sdk']['conflicts']:>5}")
+    print("SDK ÷ raw, every pair (the first is the one above), and their median:")
+    for n in counts:
+        ratios = res[f"sdk_vs_floor_pairs_{n}"]
+        print(f"{n:>6} " + " ".join(f"{r:4.2f}" for r in ratios) + f"  median {res[f'sdk_vs_floor_{n}']:.2f}")
     print(f"\nCPU per task (ms), {' → '.join(modes)}: who pays for a task on these shared cores")
     for n in counts:
         used = [res["cases"][n][m].get("cpu_ms_per_task", {}) for m in modes]
