@@ -141,3 +141,22 @@ def test_the_holder_stops_at_once_when_its_task_is_cancelled_or_deleted(
         assert ("was cancelled" if name == "to-cancel" else "was deleted") in agent.output()
         rec = record.decode(obj) if (obj := kube.get_or_none(LEASES, name)) else None
         assert rec is None or rec.epoch == 1
+
+
+def test_a_task_claimed_again_by_its_agent_still_hears_of_its_cancel(kube: Kube) -> None:
+    """No operator runs: only the holder's follow of its Task tells it of a cancel. The first
+    claim's follow ends when it ends, not later (at its first renewal's turn, which here comes
+    while the second claim holds the task: ending it then would end the second's too)."""
+    make_task(kube, "again", queue="again", leaseDurationSeconds=6)  # first renewal after 2 s
+    agent = Agent(kube)
+    try:
+        agent.claim("again", timeout=30).release("once more")
+        second = agent.claim("again", timeout=30)
+        renewed = second.held.record.resource_version
+        wait_for(lambda: record.decode(kube.get(LEASES, "again")).resource_version != renewed,
+                 message="the second claim's first renewal: the first claim's turn has passed")
+        kube.merge_patch(TASKS, "again", {"spec": {"cancel": True}})
+        wait_for(second.lost.is_set, timeout=30, message="the second claim to hear of the cancel")
+        assert "cancelled" in second.lost_reason
+    finally:
+        agent.close()

@@ -95,9 +95,13 @@ class Following:
 
     def __init__(self, key: Key, name: str, uid: str) -> None:
         self._key, self._name, self._uid = key, name, uid
+        self._closed = False
 
     def close(self) -> None:
         with _lock:
+            if self._closed:  # a later claim of the same task (same name and uid) may be followed now
+                return
+            self._closed = True
             for registry in (_shared, _followers):
                 follower = registry.get(self._key)
                 if follower is None or follower.watchers.get(self._name, ("",))[0] != self._uid:

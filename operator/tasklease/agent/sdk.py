@@ -173,10 +173,10 @@ class ClaimedTask:
             if method is not None:
                 method(why)
         # A claim handed over to another process (`tasklease claim`) is not followed here.
-        following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue, name=held.name,
-                                uid=held.uid, on_cancel=on_cancel) if follow else None
+        self._following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue,
+                                      name=held.name, uid=held.uid, on_cancel=on_cancel) if follow else None
         _FIRST_TURNS.add(time.monotonic() + held.duration_s / RENEWS_PER_DURATION,
-                         _RenewTurns(weakref.ref(self), self._stop, held.duration_s, following, held.name))
+                         _RenewTurns(weakref.ref(self), self._stop, held.duration_s, self._following, held.name))
 
     # -- what the work sees ------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class ClaimedTask:
         using `tasklease renew`) takes over the renewals."""
         with self._state:
             self._done = True
-        self._stop.set()
+        self._end_turns()
 
     def check(self) -> None:
         """Raise LostLease if the task is no longer ours: call it between steps of long work."""
@@ -252,9 +252,16 @@ class ClaimedTask:
                 elif not isinstance(exc, errors.LostLease):
                     self.fail(f"{kind.__name__ if kind else 'error'}: {exc}", retryable=True)
         finally:
-            self._stop.set()
+            self._end_turns()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _end_turns(self) -> None:
+        """No more renewals, and no more following, from now: a later claim of the same task
+        is followed afresh (a claim that ends before its first renewal has no thread to do it)."""
+        self._stop.set()
+        if self._following is not None:
+            self._following.close()
 
     def _finish(self, write: Callable[[Held], Held]) -> None:
         with self._writing:  # the renewer skips its turn meanwhile; no state lock across requests
@@ -277,7 +284,7 @@ class ClaimedTask:
                     time.sleep(_RETRY_S)
             with self._state:
                 self._held, self._done = held, True
-        self._stop.set()
+        self._end_turns()
 
     def _cancelled(self, why: str) -> None:
         """The Task was cancelled or deleted: the attempt is over, stop the work now (the
@@ -326,7 +333,7 @@ class ClaimedTask:
             self.lost_reason = reason
             self.lost.set()
             self._done = True
-        self._stop.set()
+        self._end_turns()
         if not stop_work:
             return
         log.warning("lost task %s/%s (attempt %d): %s", self.namespace, self.name, self.epoch, reason)
