@@ -334,10 +334,15 @@ def _build_client_go() -> Path | None:
 
 
 def _sdk_case(kube: Kube, *, kubeconfig: Path, workers: int, depth: int, drain: int) -> Results:
-    """`depth` open tasks, `workers` agents; the rate at which they drain `drain` of them."""
+    """`depth` open tasks, `workers` agents; the rate at which they drain `drain` of them.
+    From a deeper queue, each agent takes twice its share and the rate runs to the `drain`th
+    completion of all: a quota of exactly its share would make the rate wait for the
+    slowest agent's last task, while the others, in a deep queue, would go on working."""
     _create_tasks(kube, depth, queue="bench")
-    per_worker = math.ceil(drain / workers) if drain < depth else 0
-    return _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=workers, tasks=drain, max_tasks=per_worker)
+    if drain >= depth:
+        return _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=workers, tasks=drain)
+    return _run_workers("sdk", kube, kubeconfig=kubeconfig, workers=workers, tasks=drain,
+                        max_tasks=math.ceil(2 * drain / workers), measure=drain)
 
 
 def _floor_case(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int) -> Results:
@@ -348,9 +353,10 @@ def _floor_case(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks:
 
 def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
                  seconds: float = 0.0, on_go: Callable[[], None] | None = None,
-                 beside: dict[str, int] | None = None) -> Results:
+                 beside: dict[str, int] | None = None, measure: int = 0) -> Results:
     """One process per worker, as agents are separate pods; the clock starts when all are ready.
-    The CPU of the control plane, and of the processes in `beside` (name → pid), is counted too."""
+    The CPU of the control plane, and of the processes in `beside` (name → pid), is counted too.
+    The rate runs to the last completion, or with `measure`, to the `measure`th of all."""
     config = _namespace_config(kube, kubeconfig)
     go = kubeconfig.parent / f"{kube.namespace}.go"
     procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
@@ -388,9 +394,11 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
     if mode != "idle" and done < tasks:
         raise RuntimeError(f"bench ({mode}): {done} of {tasks} tasks done")
     latencies = [x for r in reports for x in r["latencies"]]
-    finished = max(r["last"] for r in reports)
+    finished = sorted(t for r in reports for t in r["completions"])[measure - 1] if measure else \
+        max(r["last"] for r in reports)
+    done_by = measure or done
     workers_cpu = sum(r.get("cpu_s", 0.0) for r in reports)
-    return {"rate": done / (finished - started) if done else 0.0, "done": done,
+    return {"rate": done_by / (finished - started) if done else 0.0, "done": done,
             # Where the CPU goes, per task: on 2 shared cores this bounds every rate.
             "cpu_ms_per_task": {name: 1000 * used / done for name, used in
                                 {**plane_cpu, "workers": workers_cpu}.items()} if done else {},
@@ -404,6 +412,7 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
 def _worker(args: argparse.Namespace) -> Results:
     kube = Kube.connect(kubeconfig=args.kubeconfig)
     latencies: list[float] = []
+    completions: list[float] = []  # when each task was completed (the SDK's)
     conflicts = done = 0
     last = time.time()
     report: Results = {}
@@ -454,6 +463,7 @@ def _worker(args: argparse.Namespace) -> Results:
                 nonlocal last
                 held = complete(*a, **kw)
                 last = time.time()
+                completions.append(last)
                 return held
             agent.protocol.claim = timed_claim  # type: ignore[method-assign]
             agent.protocol.complete = timed_complete  # type: ignore[method-assign]
@@ -464,7 +474,8 @@ def _worker(args: argparse.Namespace) -> Results:
         writes = agent.member_writes()
         report.update(member_told=writes.told, member_liveness=writes.liveness)
     rss_mb = _peak_rss_mb()
-    return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "rss_mb": rss_mb, **report}
+    return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "completions": completions,
+            "rss_mb": rss_mb, **report}
 
 
 # The floors: bare Lease writes, the shares known in advance ("raw"); the same writes by
