@@ -152,7 +152,7 @@ def _bench(args: argparse.Namespace, state: ClusterState) -> int:
                                                     drain=args.tasks))
         res["cases"][n] = case
         # One ratio of two rates is at the mercy of this machine's load from one minute to the
-        # next (the raw floor alone has measured 110 to 360 tasks/s): more pairs, side by side,
+        # next (the raw floor alone has measured 109 to 422 tasks/s): more pairs, side by side,
         # the later ones in alternating order, and their median.
         ratios = [sdk["rate"] / case["raw"]["rate"]]
         for i in range(args.pairs - 1):
