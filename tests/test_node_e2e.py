@@ -144,6 +144,7 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
         local = LocalCluster(ROOT / ".cache" / "cluster", ROOT / ".cache" / "kubeconfig")
         was_running = local.running() is not None
         local_node = node.LocalNode(local, ROOT / ".cache" / "node", source=ROOT)
+        node.ensure_packages()  # installed once for good (iptables too): `before` can read the rules
         local_node.down()  # a fresh node; `before` is the machine without it
         before = _node_snapshot()
         cached = (binaries.kubernetes_bin_dir() / "kubelet").exists() and images.project_archive(ROOT).exists()

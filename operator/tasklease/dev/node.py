@@ -376,6 +376,8 @@ def add_iptables_rules() -> None:
 
 def remove_iptables_rules() -> None:
     for tool, _ in _FAMILIES:
+        if shutil.which(tool) is None:  # a machine without iptables yet has no rules of ours either
+            continue
         while _iptables(tool, "-D", "OUTPUT", "-j", CHAIN, check=False):
             pass
         _iptables(tool, "-F", CHAIN, check=False)
