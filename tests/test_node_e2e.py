@@ -122,15 +122,21 @@ class E2E:
         return self.kubectl("logs", "-n", NS, "-l", OPERATOR_SELECTOR, "--tail=-1", check=False)
 
 
+_BUILTIN = {f":{chain}" for chain in ("INPUT", "FORWARD", "OUTPUT", "PREROUTING", "POSTROUTING")}
+
+
 def _node_snapshot() -> dict[str, Any]:
     """What the node may change on this machine, to compare after `make node-down`."""
     leaks = [*node.HOST_LEAKS, Path("/etc/cni"), Path("/run/runc"), Path("/var/lib/containers")]
     return {
         "sysctls": node.read_sysctls(),
-        "iptables": sorted(line for tool in ("iptables-save", "ip6tables-save")
+        # Rules, and chains by name: a table's header and COMMIT appear once anything used it, and
+        # the built-in chains' counters move on their own.
+        "iptables": sorted(line.split()[0] if line.startswith(":") else line
+                           for tool in ("iptables-save", "ip6tables-save")
                            for line in subprocess.run([tool], capture_output=True, text=True,
                                                       check=True).stdout.splitlines()
-                           if not line.startswith("#") and not line.startswith(":")),
+                           if line.startswith("-") or (line.startswith(":") and line.split()[0] not in _BUILTIN)),
         "paths": {str(p): p.exists() for p in leaks},
     }
 
