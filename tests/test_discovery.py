@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import random
 from typing import Any
 
 import pytest
@@ -34,6 +35,27 @@ def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
     for i in range(100):
         index.discard(f"low-{i:03d}")
     assert index.best(3) == [] and len(index) == 0
+
+
+def test_the_index_answers_as_a_sorted_list_of_its_live_candidates_would() -> None:
+    """Whatever the order of additions, removals, re-additions and looks of any width: the
+    heaps, their lazily deleted entries and the kept prefix of each band never show."""
+    for seed in range(100):
+        rng = random.Random(seed)
+        index, live = CandidateIndex(), {}
+        for _ in range(400):
+            name, op = f"t{rng.randrange(60)}", rng.random()
+            if op < 0.5:
+                live[name] = (rng.choice([0, 0, 0, 5, 9]), f"2026-01-01T00:00:{rng.randrange(30):02d}Z")
+                index.add(name, *live[name])
+            elif op < 0.8:
+                index.discard(name)
+                live.pop(name, None)
+            else:
+                window = rng.choice([1, 3, 8, 32])
+                top = max((p for p, _ in live.values()), default=0)
+                expected = [n for _, n in sorted((c, n) for n, (p, c) in live.items() if p == top)][:window]
+                assert index.best(window) == expected, f"seed {seed}"
 
 
 def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
@@ -320,3 +342,18 @@ def test_a_first_claim_waits_until_the_agent_sees_itself_a_member(kube: Kube) ->
         assert members_at_claim == [[agent.identity.holder]]
     finally:
         agent.close()
+
+
+def test_an_agent_that_joins_is_a_member_to_its_peers_before_it_claims(kube: Kube) -> None:
+    make_task(kube, "jn-0", queue="joined")
+    peer = QueueView(kube, namespace=kube.namespace, queue="joined")  # what another agent hears
+    peer.start()
+    agent = Agent(kube, identity=Identity(pod="joining-agent", instance="a"))
+    try:
+        view = agent.join("joined")
+        assert any(m.holder == agent.identity.holder for m in view._members.values())  # seen itself
+        assert peer.wait_for_member(agent.identity.holder, 30), "the peer never counted the joined agent"
+        assert view.claimable_count() == 1 and agent.member_writes().told == 0  # nothing claimed
+    finally:
+        agent.close()
+        peer.stop()

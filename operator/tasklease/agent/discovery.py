@@ -83,8 +83,15 @@ class Peer:
 def owner(peers: Iterable[str], name: str) -> Ownership:
     """Who task `name` belongs to among `peers`: the one that weighs it highest; and its
     deputy, the next one, which is the first to take it from an owner that does not."""
-    ranked = sorted(((weight(peer, name), peer) for peer in peers), reverse=True)[:2]
-    return ranked[0][0], ranked[0][1], ranked[1][1] if len(ranked) > 1 else ""
+    # The top two in one pass (every agent computes this for every task that reaches its window).
+    first = second = (-1.0, "")
+    for peer in peers:
+        entry = (weight(peer, name), peer)
+        if entry > first:
+            first, second = entry, first
+        elif entry > second:
+            second = entry
+    return first[0], first[1], second[1]
 
 
 class Owner(enum.IntEnum):
@@ -160,11 +167,14 @@ class CandidateIndex:
     """Claimable task names by priority band, oldest first within a band.
 
     One heap per band with lazy deletion: adding is O(log n), removing is O(1) (the entry
-    goes stale and is dropped when it reaches the top), and the best `window` of the
-    highest non-empty band cost O(window · log n)."""
+    goes stale and is dropped when it is next met). The band's best entries, once popped,
+    stay out of its heap in a sorted prefix (every heap entry comes after them), so that
+    the next look filters that prefix and pops only what was taken since: a look costs
+    O(window) plus O(log n) per entry taken, not 2 · window heap operations."""
 
     def __init__(self) -> None:
         self._bands: dict[int, list[tuple[str, str]]] = {}  # priority → heap of (created, name)
+        self._prefix: dict[int, list[tuple[str, str]]] = {}  # priority → its best entries, sorted
         self._priorities: list[int] = []  # ascending; the bands that may hold live entries
         self._members: dict[str, tuple[int, str]] = {}  # name → (priority, created) of its live entry
 
@@ -185,7 +195,11 @@ class CandidateIndex:
         if band is None:
             band = self._bands[priority] = []
             bisect.insort(self._priorities, priority)
-        heapq.heappush(band, (created, name))
+        prefix = self._prefix.get(priority)
+        if prefix and (created, name) < prefix[-1]:
+            bisect.insort(prefix, (created, name))
+        else:
+            heapq.heappush(band, (created, name))
         if len(band) > 64 and len(band) > 4 * len(self._members):
             self._compact(priority)
         return before is None
@@ -200,16 +214,22 @@ class CandidateIndex:
             band = self._bands[priority]
             found: list[tuple[str, str]] = []
             seen: set[str] = set()  # a task discarded and added again may have two entries
+            for entry in self._prefix.get(priority, ()):
+                if self._members.get(entry[1]) == (priority, entry[0]) and entry[1] not in seen:
+                    found.append(entry)
+                    seen.add(entry[1])
             while band and len(found) < window:
                 entry = heapq.heappop(band)
                 if self._members.get(entry[1]) == (priority, entry[0]) and entry[1] not in seen:
                     found.append(entry)
                     seen.add(entry[1])
-            for entry in found:
+            for entry in found[window:]:  # a deeper look's: back to the heap, the prefix stays short
                 heapq.heappush(band, entry)
             if found:
-                return [name for _, name in found]
+                self._prefix[priority] = found[:window]
+                return [name for _, name in found[:window]]
             del self._bands[priority]
+            self._prefix.pop(priority, None)
             self._priorities.pop()
         return []
 
@@ -217,6 +237,7 @@ class CandidateIndex:
         band = [(created, name) for name, (p, created) in self._members.items() if p == priority]
         heapq.heapify(band)
         self._bands[priority] = band
+        self._prefix.pop(priority, None)  # its live entries are in the heap again
 
 
 class QueueView:
@@ -321,8 +342,10 @@ class QueueView:
                 if mine:
                     return ([(self._view(n), self._with_history(n)) for n in mine],
                             Division(names=mine, ours=len(mine), owner=None))
-                ready = self._ready(names, now)
-                if ready and len(names) == window and window < _DEEPEST:
+                deeper = len(names) == window and window < _DEEPEST
+                # Going deeper needs only one of these claimable; a thief's pick needs them all.
+                ready = self._ready(names, now, first_only=deeper)
+                if ready and deeper:
                     window *= 4  # none of these is ours, and the band has more
                 elif ready:
                     ripe, ripe_in = self._ripe(ready)
@@ -361,14 +384,17 @@ class QueueView:
         while self._fresh and next(iter(self._fresh.values())) <= clock - _RIPE_S:
             self._fresh.popitem(last=False)
 
-    def _ready(self, names: list[str], now: datetime) -> list[str]:
-        """Caller holds the lock. Those of `names` claimable at `now`; the others are judged
-        again (a deadline passed since they were indexed) and leave the index."""
+    def _ready(self, names: list[str], now: datetime, *, first_only: bool = False) -> list[str]:
+        """Caller holds the lock. Those of `names` claimable at `now` (with `first_only`, the
+        first of them); the others met on the way are judged again (a deadline passed since
+        they were indexed) and leave the index."""
         ready = []
         for name in names:
             task, rec = self._task(name), self._leases.get(name)
             if task is not None and blocker(task, rec, now) is None:
                 ready.append(name)
+                if first_only:
+                    break
             else:
                 self._judge(name, now)
         return ready

@@ -60,9 +60,13 @@ class Membership:
         if not created:
             return
         with self._wake:
+            # The thread wakes only when its next write comes sooner: for the first claim to
+            # tell, or a theft. Waking it for every claim cost a thread switch per task.
+            sooner = not self._untold or (stolen and not self._urgent)
             self._untold.setdefault(name, time.monotonic())
             self._urgent = self._urgent or stolen
-            self._wake.notify()
+            if sooner:
+                self._wake.notify()
 
     def seen(self, kind: str, task: JSON) -> None:
         """A Task event of our queue (every agent of it sees the same): a task projected

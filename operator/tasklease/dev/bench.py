@@ -438,7 +438,9 @@ def _worker(args: argparse.Namespace) -> Results:
     else:
         agent = Agent(kube, identity=Identity(pod=f"bench-{args.index}", instance=f"{os.getpid()}"))
         synced = time.monotonic()
-        view = agent.watch("bench")
+        # A working agent is a member of its queue before the clock starts, as it would be at
+        # work: joining (its member Lease written, and seen) is once per agent, not per task.
+        view = agent.watch("bench") if args.worker == "idle" else agent.join("bench")
         print(f"ready {time.monotonic() - synced:.3f}", flush=True)
         _wait_for(args.go)
         if args.worker == "idle":
