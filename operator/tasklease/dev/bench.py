@@ -144,27 +144,28 @@ def _bench(args: argparse.Namespace, state: ClusterState) -> int:
     res["python_le_p50_s"] = space(_python_le)
     res["client_go_p50_s"] = space(functools.partial(_client_go, kubeconfig=kubeconfig))
     res["cases"] = {}
+
+    def throughput(mode: str, n: int) -> Results:
+        """One throughput case: `n` workers of a floor, or SDK agents ("sdk"), over args.tasks tasks."""
+        if mode == "sdk":
+            return space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
+                                           drain=args.tasks))
+        return space(functools.partial(_floor_case, mode, kubeconfig=kubeconfig, workers=n, tasks=args.tasks))
     for n in counts:
         # The raw floor last, just before the SDK: the first pair side by side too (every case
         # leaves the control plane a little slower for the next).
         order = (*FLOORS[1:], FLOORS[0])
         note(f"throughput at {n} agents: the floors ({', '.join(order)}), then the SDK ({args.tasks} tasks), "
              f"then {args.pairs - 1} more pairs of the raw floor and the SDK")
-        case = {mode: space(functools.partial(_floor_case, mode, kubeconfig=kubeconfig, workers=n, tasks=args.tasks))
-                for mode in order}
-        case["sdk"] = sdk = space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
-                                                    drain=args.tasks))
+        case = {mode: throughput(mode, n) for mode in (*order, "sdk")}
+        sdk = case["sdk"]
         res["cases"][n] = case
         # One ratio of two rates is at the mercy of this machine's load from one minute to the
         # next (the raw floor alone has measured 109 to 422 tasks/s): more pairs, side by side,
         # the later ones in alternating order, and their median.
         ratios = [sdk["rate"] / case["raw"]["rate"]]
         for i in range(args.pairs - 1):
-            pair = {mode: space(functools.partial(_floor_case, mode, kubeconfig=kubeconfig, workers=n,
-                                                  tasks=args.tasks)) if mode == "raw" else
-                    space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
-                                            drain=args.tasks))
-                    for mode in (("sdk", "raw") if i % 2 == 0 else ("raw", "sdk"))}
+            pair = {mode: throughput(mode, n) for mode in (("sdk", "raw") if i % 2 == 0 else ("raw", "sdk"))}
             ratios.append(pair["sdk"]["rate"] / pair["raw"]["rate"])
         res[f"sdk_vs_floor_pairs_{n}"] = ratios
         res[f"sdk_vs_floor_{n}"] = statistics.median(ratios)
