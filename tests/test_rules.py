@@ -149,6 +149,30 @@ def test_the_holders_put_is_the_lease_as_read_made_to_say_the_record() -> None:
     assert record.decode(body) == freed  # says exactly the record
 
 
+@pytest.mark.parametrize("change", ["none", "label", "annotation", "holder", "owner"])
+def test_what_a_write_leaves_is_the_record_sent_unless_the_answer_says_otherwise(change: str) -> None:
+    """A holder keeps its own record after a write (the answer is not decoded again) only
+    when the answer holds exactly what it sent; whatever else the answer says (a mutating
+    webhook's change) is what the Lease says."""
+    held = replace(claimed(_task(), None, "pod/1", NOW), result="r", error="e", budget_from=1)
+    sent = record.encode(held)
+    answer = record.encode(held)
+    answer["metadata"].update(uid="lease-uid", resourceVersion="18", managedFields=[{"manager": "x"}])
+    meta, spec = answer["metadata"], answer["spec"]
+    if change == "label":
+        meta["labels"]["team"] = "blue"
+    elif change == "annotation":
+        meta["annotations"][record.ANN_RESULT] = "rewritten"
+    elif change == "holder":
+        spec["holderIdentity"] = "pod/2"
+    elif change == "owner":
+        meta["ownerReferences"][0]["uid"] = "uid-2"
+    after = record.written(held, sent, answer)
+    assert after == record.decode(answer) and after.raw is answer and after.resource_version == "18"
+    # A label we do not own changes nothing the record says; the others do.
+    assert (after == replace(held, resource_version="18")) == (change in ("none", "label"))
+
+
 def test_status_never_moves_the_attempt_down() -> None:
     from tasklease.operator import projection
 

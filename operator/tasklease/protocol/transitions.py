@@ -26,7 +26,16 @@ from dataclasses import dataclass, replace
 from tasklease.api import errors, models
 from tasklease.api.timestamps import Clock, now_utc
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.protocol.record import CLOSED, HELD, LeaseRecord, decode, encode, encode_patch, encode_replacement
+from tasklease.protocol.record import (
+    CLOSED,
+    HELD,
+    LeaseRecord,
+    decode,
+    encode,
+    encode_patch,
+    encode_replacement,
+    written,
+)
 from tasklease.protocol.rules import (
     TaskView,
     attempts_used,
@@ -206,9 +215,10 @@ class Protocol:
         if create:
             body = encode(rec)
             body["metadata"].pop("resourceVersion", None)
-            return decode(self.kube.create(LEASES, body, namespace=rec.namespace, timeout=timeout))
+            return written(rec, body, self.kube.create(LEASES, body, namespace=rec.namespace, timeout=timeout))
         if whole:
-            return decode(self.kube.replace(LEASES, encode_replacement(rec), timeout=timeout))
+            body = encode_replacement(rec)
+            return written(rec, body, self.kube.replace(LEASES, body, timeout=timeout))
         return decode(self.kube.merge_patch(LEASES, rec.name, encode_patch(rec), namespace=rec.namespace,
                                             timeout=timeout))
 
