@@ -107,6 +107,28 @@ def test_fencing_epoch_only_grows_and_stale_holders_are_refused(kube: Kube) -> N
         a.close()
 
 
+def test_a_leases_field_managers_are_tracked_at_its_create_only(kube: Kube) -> None:
+    """Tracking managedFields is the costliest step of a Lease write (`record.encode_patch`):
+    after the claim that creates a task's Lease, every write leaves it with none (the
+    release's PUT, the next claim's merge patch, the completion), and the writes still say
+    what they should."""
+    make_task(kube, "untracked", queue="u", maxAttempts=3, backoff={"initialSeconds": 0, "maxSeconds": 0})
+    agent = Agent(kube, identity=Identity(pod="a", instance="x"))
+    try:
+        def managers() -> list[object]:
+            return list(kube.get(LEASES, "untracked")["metadata"].get("managedFields") or [])
+        first = agent.claim("u", timeout=30)
+        assert managers()  # a create is tracked
+        first.release()
+        assert managers() == []
+        second = agent.claim("u", timeout=30)
+        assert second.epoch == 2 and managers() == []
+        second.complete("done")
+        assert managers() == [] and record.decode(kube.get(LEASES, "untracked")).result == "done"
+    finally:
+        agent.close()
+
+
 def test_losing_the_lease_interrupts_the_work_in_its_thread(kube: Kube) -> None:
     make_task(kube, "interrupted", queue="i", leaseDurationSeconds=5)
     agent = Agent(kube, identity=Identity(pod="busy", instance="x"))

@@ -113,7 +113,8 @@ class MemberLease:
 
     def _patch(self, body: JSON, version: str) -> None:
         """A merge patch conditional on `version`; remembers the version it makes."""
-        conditional = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
+        # No managedFields kept, as on a task's Lease (`record.encode_patch` says why).
+        conditional = {**body, "metadata": {**body["metadata"], "resourceVersion": version, "managedFields": []}}
         self._version = self._kube.merge_patch(LEASES, self.name, conditional, namespace=self._namespace,
                                                timeout=5)["metadata"]["resourceVersion"]
 
