@@ -11,7 +11,17 @@ import pytest
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
 from tasklease.agent import discovery
-from tasklease.agent.discovery import CandidateIndex, Owner, QueueView, compact, divide, expand, owner, weight
+from tasklease.agent.discovery import (
+    CandidateIndex,
+    Owner,
+    QueueView,
+    compact,
+    divide,
+    expand,
+    owned_weight,
+    owner,
+    weight,
+)
 from tasklease.api import errors
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
@@ -72,6 +82,30 @@ def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
     assert again == divisions[agents[0]]
     mine = again.names[:again.ours]
     assert mine == sorted(mine, key=lambda n: weight(agents[0], n), reverse=True)
+
+
+def test_an_agent_knows_its_own_tasks_as_the_owner_would_say_without_hashing_every_peer() -> None:
+    calls = 0
+    real = discovery.weight
+
+    def counted(holder: str, name: str) -> float:
+        nonlocal calls
+        calls += 1
+        return real(holder, name)
+    agents = [f"agent-{a}/x" for a in range(16)]
+    names = [f"task-{i:03d}" for i in range(400)]
+    discovery.weight = counted
+    try:
+        for me in agents[:4]:
+            for name in names:
+                top, first, _ = owner(agents, name)
+                assert owned_weight(me, agents, name) == (top if first == me else None)
+        calls = 0
+        for name in names:
+            owned_weight(agents[0], agents, name)
+    finally:
+        discovery.weight = real
+    assert calls < len(names) * len(agents) / 2  # most tasks are another's, and found so early
 
 
 def test_a_thief_takes_from_busy_owners_first_never_from_claiming_ones_deputies_first() -> None:

@@ -94,6 +94,18 @@ def owner(peers: Iterable[str], name: str) -> Ownership:
     return first[0], first[1], second[1]
 
 
+def owned_weight(me: str, peers: Iterable[str], name: str) -> float | None:
+    """`me`'s weight for task `name` when `me` owns it among `peers` (as `owner` says); None
+    as soon as one peer weighs it higher. Most tasks are another's, and a few hashes then
+    decide instead of one per peer: at 16 agents, hashing every peer for every task in the
+    window was the largest part of a look."""
+    mine = (weight(me, name), me)
+    for peer in peers:
+        if peer != me and (weight(peer, name), peer) > mine:
+            return None
+    return mine[0]
+
+
 class Owner(enum.IntEnum):
     """What the owner of another agent's task is doing, in the order a thief takes from it."""
 
@@ -264,6 +276,7 @@ class QueueView:
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
         self._members: dict[str, Peer] = {}  # member Lease name → the agent at work; candidates are divided among them
         self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
+        self._ours: dict[str, float | None] = {}  # name → our weight if ours among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
@@ -328,12 +341,12 @@ class QueueView:
                     return [], Division(names=[], ours=0, owner=None)
                 # Kept across looks (each starts shallow again, and a deep one needs the owners of
                 # all it passes); bounded, as taken tasks leave their entries behind.
-                if peers != self._owners_of or len(self._owners) > _OWNERS_KEPT:
-                    self._owners, self._owners_of = {}, peers
+                if peers != self._owners_of or len(self._owners) + len(self._ours) > _OWNERS_KEPT:
+                    self._owners, self._ours, self._owners_of = {}, {}, peers
                 # Ours first, best first, and only as many judged as wanted: at 16 agents 15 of
                 # 16 names in the window are someone else's, and a claim tries one.
-                owned = ((self._owner(n), n) for n in names)
-                ours = sorted(((top, n) for (top, peer, _), n in owned if peer == holder), reverse=True)
+                ours = sorted(((top, n) for n in names if (top := self._weight_if_ours(n, holder)) is not None),
+                              reverse=True)
                 mine: list[str] = []
                 for _, name in ours:
                     if len(mine) == limit:
@@ -504,6 +517,16 @@ class QueueView:
         for name in [n for n, m in self._members.items() if m.until <= now]:
             del self._members[name]
         return list(self._members.values())
+
+    def _weight_if_ours(self, name: str, holder: str) -> float | None:
+        """Caller holds the lock. `owned_weight` among the current peers, computed once per peer
+        set (from the owner, when a thief's look found it already)."""
+        known = self._owners.get(name)
+        if known is not None:
+            return known[0] if known[1] == holder else None
+        if name not in self._ours:
+            self._ours[name] = owned_weight(holder, self._owners_of, name)
+        return self._ours[name]
 
     def _owner(self, name: str) -> Ownership:
         """Caller holds the lock. `owner` among the current peers, computed once per peer set."""
