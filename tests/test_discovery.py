@@ -84,27 +84,23 @@ def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
     assert mine == sorted(mine, key=lambda n: weight(agents[0], n), reverse=True)
 
 
-def test_an_agent_knows_its_own_tasks_as_the_owner_would_say_without_hashing_every_peer() -> None:
+def test_an_agent_knows_its_own_tasks_as_the_owner_would_say_without_hashing_every_peer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    agents = [f"agent-{a}/x" for a in range(16)]
+    names = [f"task-{i:03d}" for i in range(400)]
+    for me in agents[:4]:
+        for name in names:
+            top, first, _ = owner(agents, name)
+            assert owned_weight(me, agents, name) == (top if first == me else None)
     calls = 0
-    real = discovery.weight
 
     def counted(holder: str, name: str) -> float:
         nonlocal calls
         calls += 1
-        return real(holder, name)
-    agents = [f"agent-{a}/x" for a in range(16)]
-    names = [f"task-{i:03d}" for i in range(400)]
-    discovery.weight = counted
-    try:
-        for me in agents[:4]:
-            for name in names:
-                top, first, _ = owner(agents, name)
-                assert owned_weight(me, agents, name) == (top if first == me else None)
-        calls = 0
-        for name in names:
-            owned_weight(agents[0], agents, name)
-    finally:
-        discovery.weight = real
+        return weight(holder, name)
+    monkeypatch.setattr(discovery, "weight", counted)
+    for name in names:
+        owned_weight(agents[0], agents, name)
     assert calls < len(names) * len(agents) / 2  # most tasks are another's, and found so early
 
 
