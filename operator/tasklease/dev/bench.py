@@ -58,6 +58,7 @@ from tasklease.protocol import Held, Protocol, TaskView, record
 T = TypeVar("T")
 Results = dict[str, Any]
 PEERS = Path(__file__).parent / "peers"
+_SAMPLE_S = 0.05  # how often a case reads the control plane's CPU
 
 # figure, JSON key, target (text), whether the measured value meets it
 TARGETS: list[tuple[str, str, str, Callable[[float], bool]]] = [
@@ -373,6 +374,15 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
     sync = []
     reports = []
     plane = {**_control_plane(kubeconfig), **(beside or {})}
+    # The control plane's CPU, sampled: what it used up to the last completion, not up to the
+    # workers' exit (an agent waits `idle_timeout` for more work before it leaves).
+    samples: list[tuple[float, dict[str, float]]] = []
+    sampled = threading.Event()
+
+    def sample() -> None:
+        while not sampled.wait(_SAMPLE_S):
+            samples.append((time.time(), _process_cpu_s(plane)))
+    sampler = threading.Thread(target=sample, daemon=True)
     try:
         for proc in procs:
             assert proc.stdout is not None
@@ -383,13 +393,15 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
         plane_before = _process_cpu_s(plane)
         started = time.time()
         go.touch()
+        sampler.start()
         if on_go is not None:
             on_go()
         for proc in procs:
             out, _ = proc.communicate(timeout=3600)
             reports.append(json.loads(out.strip().splitlines()[-1]))
-        plane_cpu = {name: used - plane_before.get(name, 0.0) for name, used in _process_cpu_s(plane).items()}
+        samples.append((time.time(), _process_cpu_s(plane)))
     finally:
+        sampled.set()
         go.unlink(missing_ok=True)
         for proc in procs:  # ours: a worker left waiting for `go` would wait forever
             if proc.poll() is None:
@@ -402,11 +414,19 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
     finished = sorted(t for r in reports for t in r["completions"])[measure - 1] if measure else \
         max(r["last"] for r in reports)
     done_by = measure or done
-    workers_cpu = sum(r.get("cpu_s", 0.0) for r in reports)
+    plane_at = next(used for at, used in samples if at >= finished)
+    used = {name: cpu - plane_before.get(name, 0.0) for name, cpu in plane_at.items()}
+    split = [_Meter.at(r["marks"], finished) for r in reports if r.get("marks")]
+    used["workers"] = sum(s[0] for s in split) if split else sum(r.get("cpu_s", 0.0) for r in reports)
+    main, in_requests = sum(s[1] for s in split), sum(s[2] for s in split)
     return {"rate": done_by / (finished - started) if done else 0.0, "done": done,
             # Where the CPU goes, per task: on 2 shared cores this bounds every rate.
-            "cpu_ms_per_task": {name: 1000 * used / done for name, used in
-                                {**plane_cpu, "workers": workers_cpu}.items()} if done else {},
+            "cpu_ms_per_task": {name: 1000 * cpu / done_by for name, cpu in used.items()} if done else {},
+            # The workers' share, split: their main threads (a worker's loop, an agent's claims
+            # and completions) in their requests and outside them, and their other threads.
+            "worker_ms_per_task": {"requests": 1000 * in_requests / done_by, "outside": 1000 * (main - in_requests) /
+                                   done_by, "other threads": 1000 * (used["workers"] - main) / done_by}
+            if split and done else {},
             "conflicts": sum(r["conflicts"] for r in reports), "rss_mb": max(r["rss_mb"] for r in reports),
             "member_told": sum(r.get("member_told", 0) for r in reports),
             "member_liveness": sum(r.get("member_liveness", 0) for r in reports),
@@ -414,8 +434,45 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
             "cpu_s": [r.get("cpu_s", 0.0) for r in reports], **_percentiles(latencies)}
 
 
+class _Meter:
+    """Where a worker's CPU goes, marked when its clock starts, at every task it completes and
+    when it ends: (wall clock, process CPU, main thread CPU, main thread CPU in requests). The
+    case reads them at its own end (`at`), which a worker does not know."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.marks: list[tuple[float, float, float, float]] = []
+        self._in_requests = 0.0
+        request, main = kube.request, threading.main_thread()
+
+        def timed(*args: Any, **kwargs: Any) -> JSON:
+            if threading.current_thread() is not main:
+                return request(*args, **kwargs)
+            began = time.thread_time()
+            try:
+                return request(*args, **kwargs)
+            finally:
+                self._in_requests += time.thread_time() - began
+        kube.request = timed  # type: ignore[method-assign]
+
+    def mark(self) -> None:
+        """On the main thread."""
+        self.marks.append((time.time(), _cpu_s(), time.thread_time(), self._in_requests))
+
+    @staticmethod
+    def at(marks: list[list[float]], when: float) -> tuple[float, float, float]:
+        """(process, main thread, in requests) CPU seconds from the first mark to `when`,
+        interpolated between the marks around it."""
+        first = marks[0]
+        after = next((i for i, mark in enumerate(marks) if mark[0] >= when), len(marks) - 1)
+        lo, hi = marks[max(after - 1, 0)], marks[after]
+        share = 0.0 if hi[0] <= lo[0] else min(max((when - lo[0]) / (hi[0] - lo[0]), 0.0), 1.0)
+        cpu, main, requests = (lo[k] + share * (hi[k] - lo[k]) - first[k] for k in (1, 2, 3))
+        return cpu, main, requests
+
+
 def _worker(args: argparse.Namespace) -> Results:
     kube = Kube.connect(kubeconfig=args.kubeconfig)
+    meter = _Meter(kube)
     latencies: list[float] = []
     completions: list[float] = []  # when each task was completed (the SDK's)
     conflicts = done = 0
@@ -426,6 +483,7 @@ def _worker(args: argparse.Namespace) -> Results:
         print("ready 0", flush=True)
         _wait_for(args.go)
         cpu = _cpu_s()
+        meter.mark()
         for name in names:
             if name in taken:
                 continue
@@ -437,6 +495,7 @@ def _worker(args: argparse.Namespace) -> Results:
                 continue
             latencies.append(time.perf_counter() - started)
             let_go()
+            meter.mark()
             done += 1
         last = time.time()
         report = {"cpu_s": _cpu_s() - cpu}
@@ -469,20 +528,24 @@ def _worker(args: argparse.Namespace) -> Results:
             def timed_complete(*a: Any, **kw: Any) -> Held:
                 nonlocal last
                 held = complete(*a, **kw)
+                meter.mark()
                 last = time.time()
                 completions.append(last)
                 return held
             agent.protocol.claim = timed_claim  # type: ignore[method-assign]
             agent.protocol.complete = timed_complete  # type: ignore[method-assign]
             cpu = _cpu_s()
+            meter.mark()
             done = agent.work("bench", lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
             report = {"cpu_s": _cpu_s() - cpu}
         agent.close()
         writes = agent.member_writes()
         report.update(member_told=writes.told, member_liveness=writes.liveness)
+    if meter.marks:
+        meter.mark()
     rss_mb = _peak_rss_mb()
     return {"done": done, "latencies": latencies, "conflicts": conflicts, "last": last, "completions": completions,
-            "rss_mb": rss_mb, **report}
+            "rss_mb": rss_mb, "marks": meter.marks, **report}
 
 
 # The floors: bare Lease writes, the shares known in advance ("raw"); the same writes by
@@ -823,6 +886,11 @@ def _report(res: Results, counts: list[int]) -> None:
         shown = ", ".join(f"{name} " + " → ".join(f"{u.get(name, math.nan):.2f}" for u in used)
                           for name in sorted(set().union(*used)))
         print(f"{n:>6} agents: {shown}; all " + " → ".join(f"{sum(u.values()):.2f}" for u in used))
+    print(f"the workers' share, {' → '.join(modes)}: their main threads in requests, outside them; their other threads")
+    for n in counts:
+        split = [res["cases"][n][m].get("worker_ms_per_task", {}) for m in modes]
+        print(f"{n:>6} agents: " + ", ".join(f"{part} " + " → ".join(f"{s.get(part, math.nan):.2f}" for s in split)
+                                            for part in ("requests", "outside", "other threads")))
     print(f"\nfloors: conditional PUT {_ms(res['put_p50_s'])}, GET + PUT {_ms(res['get_put_p50_s'])}; "
           f"peers acquiring a free Lease: Python LeaderElection {_ms(res['python_le_p50_s'])}, "
           f"client-go {_ms(res['client_go_p50_s'])}; SDK claim {_ms(res['claim_p50_s'])}")
