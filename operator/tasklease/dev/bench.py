@@ -165,9 +165,11 @@ def _bench(args: argparse.Namespace, state: ClusterState) -> int:
         # next (the raw floor alone has measured 109 to 422 tasks/s): more pairs, side by side,
         # the later ones in alternating order, and their median.
         ratios = [sdk["rate"] / case["raw"]["rate"]]
+        res["cases"][f"{n}-later-pairs"] = later = []
         for i in range(args.pairs - 1):
             pair = {mode: throughput(mode, n) for mode in (("sdk", "raw") if i % 2 == 0 else ("raw", "sdk"))}
             ratios.append(pair["sdk"]["rate"] / pair["raw"]["rate"])
+            later.append(pair)
         res[f"sdk_vs_floor_pairs_{n}"] = ratios
         res[f"sdk_vs_floor_{n}"] = statistics.median(ratios)
         for mode in FLOORS[1:]:
