@@ -418,7 +418,7 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
     done_by = measure or done
     plane_at = next(used for at, used in samples if at >= finished)
     used = {name: cpu - plane_before.get(name, 0.0) for name, cpu in plane_at.items()}
-    split = [_Meter.at(r["marks"], finished) for r in reports if r.get("marks")]
+    split = [cpu_until(r["marks"], finished) for r in reports if r.get("marks")]
     used["workers"] = sum(s[0] for s in split) if split else sum(r.get("cpu_s", 0.0) for r in reports)
     main, in_requests = sum(s[1] for s in split), sum(s[2] for s in split)
     return {"rate": done_by / (finished - started) if done else 0.0, "done": done,
@@ -436,10 +436,22 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
             "cpu_s": [r.get("cpu_s", 0.0) for r in reports], **_percentiles(latencies)}
 
 
+def cpu_until(marks: list[list[float]], when: float) -> tuple[float, float, float]:
+    """A worker's (process, main thread, main thread in requests) CPU seconds from its first
+    mark to `when`, interpolated between the marks around it (see `_Meter`); the last mark's
+    figures for a `when` past it."""
+    first = marks[0]
+    after = next((i for i, mark in enumerate(marks) if mark[0] >= when), len(marks) - 1)
+    lo, hi = marks[max(after - 1, 0)], marks[after]
+    share = 0.0 if hi[0] <= lo[0] else min(max((when - lo[0]) / (hi[0] - lo[0]), 0.0), 1.0)
+    cpu, main, requests = (lo[k] + share * (hi[k] - lo[k]) - first[k] for k in (1, 2, 3))
+    return cpu, main, requests
+
+
 class _Meter:
     """Where a worker's CPU goes, marked when its clock starts, at every task it completes and
     when it ends: (wall clock, process CPU, main thread CPU, main thread CPU in requests). The
-    case reads them at its own end (`at`), which a worker does not know."""
+    case reads them at its own end (`cpu_until`), which a worker does not know."""
 
     def __init__(self, kube: Kube) -> None:
         self.marks: list[tuple[float, float, float, float]] = []
@@ -459,17 +471,6 @@ class _Meter:
     def mark(self) -> None:
         """On the main thread."""
         self.marks.append((time.time(), _cpu_s(), time.thread_time(), self._in_requests))
-
-    @staticmethod
-    def at(marks: list[list[float]], when: float) -> tuple[float, float, float]:
-        """(process, main thread, in requests) CPU seconds from the first mark to `when`,
-        interpolated between the marks around it."""
-        first = marks[0]
-        after = next((i for i, mark in enumerate(marks) if mark[0] >= when), len(marks) - 1)
-        lo, hi = marks[max(after - 1, 0)], marks[after]
-        share = 0.0 if hi[0] <= lo[0] else min(max((when - lo[0]) / (hi[0] - lo[0]), 0.0), 1.0)
-        cpu, main, requests = (lo[k] + share * (hi[k] - lo[k]) - first[k] for k in (1, 2, 3))
-        return cpu, main, requests
 
 
 def _worker(args: argparse.Namespace) -> Results:
