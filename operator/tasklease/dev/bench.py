@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
+import contextlib
 import functools
 import json
 import math
@@ -41,7 +42,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -98,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
     parser.add_argument("--worker", choices=[*FLOORS, "sdk", "idle"], help=argparse.SUPPRESS)
     parser.add_argument("--kubeconfig", help=argparse.SUPPRESS)
-    parser.add_argument("--go", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
@@ -146,28 +146,21 @@ def _bench(args: argparse.Namespace, state: ClusterState) -> int:
     res["client_go_p50_s"] = space(functools.partial(_client_go, kubeconfig=kubeconfig))
     res["cases"] = {}
 
-    def throughput(mode: str, n: int) -> Results:
-        """One throughput case: `n` workers of a floor, or SDK agents ("sdk"), over args.tasks tasks."""
-        if mode == "sdk":
-            return space(functools.partial(_sdk_case, kubeconfig=kubeconfig, workers=n, depth=args.tasks,
-                                           drain=args.tasks))
-        return space(functools.partial(_floor_case, mode, kubeconfig=kubeconfig, workers=n, tasks=args.tasks))
     for n in counts:
-        # The raw floor last, just before the SDK: the first pair side by side too (every case
-        # leaves the control plane a little slower for the next).
+        side_by_side = functools.partial(_side_by_side, kubeconfig, workers=n, tasks=args.tasks)
+        # The raw floor last, just before the SDK: the first pair side by side too.
         order = (*FLOORS[1:], FLOORS[0])
         note(f"throughput at {n} agents: the floors ({', '.join(order)}), then the SDK ({args.tasks} tasks), "
              f"then {args.pairs - 1} more pairs of the raw floor and the SDK")
-        case = {mode: throughput(mode, n) for mode in (*order, "sdk")}
+        case = side_by_side((*order, "sdk"))
         sdk = case["sdk"]
         res["cases"][n] = case
-        # One ratio of two rates is at the mercy of this machine's load from one minute to the
-        # next (the raw floor alone has measured 109 to 422 tasks/s): more pairs, side by side,
-        # the later ones in alternating order, and their median.
+        # Even run back to back, one ratio of two rates is at the mercy of this machine's speed:
+        # more pairs, the later ones in alternating order, and their median.
         ratios = [sdk["rate"] / case["raw"]["rate"]]
         res["cases"][f"{n}-later-pairs"] = later = []
         for i in range(args.pairs - 1):
-            pair = {mode: throughput(mode, n) for mode in (("sdk", "raw") if i % 2 == 0 else ("raw", "sdk"))}
+            pair = side_by_side(("sdk", "raw") if i % 2 == 0 else ("raw", "sdk"))
             ratios.append(pair["sdk"]["rate"] / pair["raw"]["rate"])
             later.append(pair)
         res[f"sdk_vs_floor_pairs_{n}"] = ratios
@@ -353,87 +346,129 @@ def _sdk_case(kube: Kube, *, kubeconfig: Path, workers: int, depth: int, drain: 
                         max_tasks=math.ceil(2 * drain / workers), measure=drain)
 
 
-def _floor_case(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int) -> Results:
-    if mode == "protocol":  # it claims Tasks
-        _create_tasks(kube, tasks, queue="bench")
-    return _run_workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks)
+class _Workers:
+    """Worker processes started and ready (connected; an agent has joined its queue), each
+    blocked on its stdin until `go`: one per worker, as agents are separate pods."""
+
+    def __init__(self, mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
+                 seconds: float = 0.0, beside: dict[str, int] | None = None, measure: int = 0) -> None:
+        self.mode, self.tasks, self.measure = mode, tasks, measure
+        config = _namespace_config(kube, kubeconfig)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
+                                        "--kubeconfig", str(config), "--index", str(i), "--tasks", str(tasks),
+                                        "--workers", str(workers), "--max-tasks", str(max_tasks),
+                                        "--seconds", str(seconds)],
+                                       stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+                      for i in range(workers)]
+        self.plane = {**_control_plane(kubeconfig), **(beside or {})}
+        self.sync = []
+        try:
+            for proc in self.procs:
+                assert proc.stdout is not None
+                line = proc.stdout.readline().strip()
+                if not line.startswith("ready"):
+                    raise RuntimeError(f"bench worker ({mode}) did not start")
+                self.sync.append(float(line.split()[1]))
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Ours: a worker left waiting for `go` would wait forever."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def go(self, on_go: Callable[[], None] | None = None) -> Results:
+        """Start the clock and every worker; their figures once all have ended. The CPU of the
+        control plane, and of the processes in `beside` (name → pid), is counted too. The rate
+        runs to the last completion, or with `measure`, to the `measure`th of all."""
+        reports = []
+        # The control plane's CPU, sampled: what it used up to the last completion, not up to the
+        # workers' exit (an agent waits `idle_timeout` for more work before it leaves).
+        samples: list[tuple[float, dict[str, float]]] = []
+        sampled = threading.Event()
+
+        def sample() -> None:
+            while not sampled.wait(_SAMPLE_S):
+                samples.append((time.time(), _process_cpu_s(self.plane)))
+        sampler = threading.Thread(target=sample, daemon=True)
+        try:
+            plane_before = _process_cpu_s(self.plane)
+            started = time.time()
+            for proc in self.procs:
+                assert proc.stdin is not None
+                with contextlib.suppress(BrokenPipeError):  # a worker gone: its report is missing below
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+            sampler.start()
+            if on_go is not None:
+                on_go()
+            for proc in self.procs:
+                out, _ = proc.communicate(timeout=3600)
+                reports.append(json.loads(out.strip().splitlines()[-1]))
+            samples.append((time.time(), _process_cpu_s(self.plane)))
+        finally:
+            sampled.set()
+            self.kill()
+        return self._results(reports, started, plane_before, samples)
+
+    def _results(self, reports: list[Results], started: float, plane_before: dict[str, float],
+                 samples: list[tuple[float, dict[str, float]]]) -> Results:
+        mode, tasks, measure = self.mode, self.tasks, self.measure
+        done = sum(r["done"] for r in reports)
+        if mode != "idle" and done < tasks:
+            raise RuntimeError(f"bench ({mode}): {done} of {tasks} tasks done")
+        latencies = [x for r in reports for x in r["latencies"]]
+        finished = sorted(t for r in reports for t in r["completions"])[measure - 1] if measure else \
+            max(r["last"] for r in reports)
+        done_by = measure or done
+        plane_at = next(used for at, used in samples if at >= finished)
+        used = {name: cpu - plane_before.get(name, 0.0) for name, cpu in plane_at.items()}
+        split = [cpu_until(r["marks"], finished) for r in reports if r.get("marks")]
+        used["workers"] = sum(s[0] for s in split) if split else sum(r.get("cpu_s", 0.0) for r in reports)
+        main, in_requests = sum(s[1] for s in split), sum(s[2] for s in split)
+        return {"rate": done_by / (finished - started) if done else 0.0, "done": done,
+                # Where the CPU goes, per task: on 2 shared cores this bounds every rate.
+                "cpu_ms_per_task": {name: 1000 * cpu / done_by for name, cpu in used.items()} if done else {},
+                # The workers' share, split: their main threads (a worker's loop, an agent's claims
+                # and completions) in their requests and outside them, and their other threads.
+                "worker_ms_per_task": {"requests": 1000 * in_requests / done_by,
+                                       "outside": 1000 * (main - in_requests) / done_by,
+                                       "other threads": 1000 * (used["workers"] - main) / done_by}
+                if split and done else {},
+                "conflicts": sum(r["conflicts"] for r in reports), "rss_mb": max(r["rss_mb"] for r in reports),
+                "member_told": sum(r.get("member_told", 0) for r in reports),
+                "member_liveness": sum(r.get("member_liveness", 0) for r in reports),
+                "sync_s": max(self.sync), "wakeups": [r.get("wakeups", 0) for r in reports],
+                "cpu_s": [r.get("cpu_s", 0.0) for r in reports], **_percentiles(latencies)}
 
 
 def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
                  seconds: float = 0.0, on_go: Callable[[], None] | None = None,
                  beside: dict[str, int] | None = None, measure: int = 0) -> Results:
-    """One process per worker, as agents are separate pods; the clock starts when all are ready.
-    The CPU of the control plane, and of the processes in `beside` (name → pid), is counted too.
-    The rate runs to the last completion, or with `measure`, to the `measure`th of all."""
-    config = _namespace_config(kube, kubeconfig)
-    go = kubeconfig.parent / f"{kube.namespace}.go"
-    procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
-                               "--kubeconfig", str(config), "--go", str(go), "--index", str(i),
-                               "--tasks", str(tasks), "--workers", str(workers), "--max-tasks", str(max_tasks),
-                               "--seconds", str(seconds)],
-                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-             for i in range(workers)]
-    sync = []
-    reports = []
-    plane = {**_control_plane(kubeconfig), **(beside or {})}
-    # The control plane's CPU, sampled: what it used up to the last completion, not up to the
-    # workers' exit (an agent waits `idle_timeout` for more work before it leaves).
-    samples: list[tuple[float, dict[str, float]]] = []
-    sampled = threading.Event()
+    """One case: its workers started, then let go (`_Workers`)."""
+    return _Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, max_tasks=max_tasks,
+                    seconds=seconds, beside=beside, measure=measure).go(on_go)
 
-    def sample() -> None:
-        while not sampled.wait(_SAMPLE_S):
-            samples.append((time.time(), _process_cpu_s(plane)))
-    sampler = threading.Thread(target=sample, daemon=True)
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
-            line = proc.stdout.readline().strip()
-            if not line.startswith("ready"):
-                raise RuntimeError(f"bench worker ({mode}) did not start")
-            sync.append(float(line.split()[1]))
-        plane_before = _process_cpu_s(plane)
-        started = time.time()
-        go.touch()
-        sampler.start()
-        if on_go is not None:
-            on_go()
-        for proc in procs:
-            out, _ = proc.communicate(timeout=3600)
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-        samples.append((time.time(), _process_cpu_s(plane)))
-    finally:
-        sampled.set()
-        go.unlink(missing_ok=True)
-        for proc in procs:  # ours: a worker left waiting for `go` would wait forever
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    done = sum(r["done"] for r in reports)
-    if mode != "idle" and done < tasks:
-        raise RuntimeError(f"bench ({mode}): {done} of {tasks} tasks done")
-    latencies = [x for r in reports for x in r["latencies"]]
-    finished = sorted(t for r in reports for t in r["completions"])[measure - 1] if measure else \
-        max(r["last"] for r in reports)
-    done_by = measure or done
-    plane_at = next(used for at, used in samples if at >= finished)
-    used = {name: cpu - plane_before.get(name, 0.0) for name, cpu in plane_at.items()}
-    split = [cpu_until(r["marks"], finished) for r in reports if r.get("marks")]
-    used["workers"] = sum(s[0] for s in split) if split else sum(r.get("cpu_s", 0.0) for r in reports)
-    main, in_requests = sum(s[1] for s in split), sum(s[2] for s in split)
-    return {"rate": done_by / (finished - started) if done else 0.0, "done": done,
-            # Where the CPU goes, per task: on 2 shared cores this bounds every rate.
-            "cpu_ms_per_task": {name: 1000 * cpu / done_by for name, cpu in used.items()} if done else {},
-            # The workers' share, split: their main threads (a worker's loop, an agent's claims
-            # and completions) in their requests and outside them, and their other threads.
-            "worker_ms_per_task": {"requests": 1000 * in_requests / done_by, "outside": 1000 * (main - in_requests) /
-                                   done_by, "other threads": 1000 * (used["workers"] - main) / done_by}
-            if split and done else {},
-            "conflicts": sum(r["conflicts"] for r in reports), "rss_mb": max(r["rss_mb"] for r in reports),
-            "member_told": sum(r.get("member_told", 0) for r in reports),
-            "member_liveness": sum(r.get("member_liveness", 0) for r in reports),
-            "sync_s": max(sync), "wakeups": [r.get("wakeups", 0) for r in reports],
-            "cpu_s": [r.get("cpu_s", 0.0) for r in reports], **_percentiles(latencies)}
+
+def _side_by_side(kubeconfig: Path, modes: Sequence[str], *, workers: int, tasks: int) -> dict[str, Results]:
+    """The throughput cases of `modes` (floors, and "sdk": `tasks` tasks, `workers` workers),
+    each in a namespace of its own, all made ready first, then run one right after another.
+    This machine's speed changes from one minute to the next (the raw floor alone has measured
+    109 to 422 tasks/s, and twice the CPU per task): a ratio of two rates is only as good as
+    their closeness in time, and setting a case up (its tasks, its workers, deleting the last
+    one's namespace) takes longer than running it."""
+    with contextlib.ExitStack() as stack:
+        ready: dict[str, _Workers] = {}
+        for mode in modes:
+            kube = stack.enter_context(_namespace(kubeconfig))
+            if mode in ("sdk", "protocol"):  # they claim Tasks
+                _create_tasks(kube, tasks, queue="bench")
+            ready[mode] = _Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks)
+            stack.callback(ready[mode].kill)
+        return {mode: ready[mode].go() for mode in modes}
 
 
 def cpu_until(marks: list[list[float]], when: float) -> tuple[float, float, float]:
@@ -484,7 +519,7 @@ def _worker(args: argparse.Namespace) -> Results:
     if args.worker in FLOORS:
         take, names, taken = _floor_writes(kube, args)
         print("ready 0", flush=True)
-        _wait_for(args.go)
+        _wait_for_go()
         cpu = _cpu_s()
         meter.mark()
         for name in names:
@@ -509,7 +544,7 @@ def _worker(args: argparse.Namespace) -> Results:
         # work: joining (its member Lease written, and seen) is once per agent, not per task.
         view = agent.watch("bench") if args.worker == "idle" else agent.join("bench")
         print(f"ready {time.monotonic() - synced:.3f}", flush=True)
-        _wait_for(args.go)
+        _wait_for_go()
         if args.worker == "idle":
             wakeups, cpu = view.wakeups, _cpu_s()
             time.sleep(args.seconds)
@@ -633,9 +668,10 @@ def _process_cpu_s(pids: dict[str, int]) -> dict[str, float]:
     return used
 
 
-def _wait_for(path: Path) -> None:
-    while not path.exists():
-        time.sleep(0.005)
+def _wait_for_go() -> None:
+    """A worker's start: a line on its stdin from `_Workers.go` (a blocked read costs no CPU
+    while the cases before it run)."""
+    sys.stdin.readline()
 
 
 # -- renewals, the operator ---------------------------------------------------------------------------
@@ -948,12 +984,14 @@ def _bench_cancel(kube: Kube, *, rounds: int) -> list[float]:
     return times
 
 
-def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:
+@contextlib.contextmanager
+def _namespace(kubeconfig: Path) -> Iterator[Kube]:
+    """A client in a namespace of its own, deleted (and gone) afterwards."""
     admin = Kube.connect(kubeconfig=str(kubeconfig))
     name = f"bench-{uuid.uuid4().hex[:6]}"
     admin.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     try:
-        return body(Kube.connect(kubeconfig=str(kubeconfig), namespace=name, pool_size=64))
+        yield Kube.connect(kubeconfig=str(kubeconfig), namespace=name, pool_size=64)
     finally:
         # Gone before the next case starts: deleting what a case made (30,000 Tasks, say)
         # costs the control plane about what making it did, and must not weigh on the next.
@@ -962,6 +1000,11 @@ def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:
         _until(lambda: admin.get_or_none(NAMESPACES, name) is None, 3600, f"namespace {name} to be deleted", 0.5)
         if time.monotonic() - began > 10:
             _note(f"namespace {name} and what the case made deleted in {time.monotonic() - began:.0f} s")
+
+
+def _in_namespace(kubeconfig: Path, body: Callable[[Kube], T]) -> T:
+    with _namespace(kubeconfig) as kube:
+        return body(kube)
 
 
 def _namespace_config(kube: Kube, kubeconfig: Path) -> Path:
