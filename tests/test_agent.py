@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
-from tasklease.agent import Agent, Identity
+from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.agent.discovery import task_selector
 from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
@@ -150,6 +150,40 @@ def test_losing_the_lease_interrupts_the_work_in_its_thread(kube: Kube) -> None:
     assert not thread.is_alive()
     assert outcome == ["claimed", "interrupted"]
     agent.close()
+
+
+def test_a_work_loop_keeps_one_interrupt_handler_for_all_its_tasks(kube: Kube) -> None:
+    """On the main thread, `work` puts the SDK's SIGUSR1 handler in place once for the loop,
+    not per task; a lease lost inside a task still interrupts it, and the loop goes on; the
+    handler that was there before is back when the loop returns."""
+    make_task(kube, "kept-a", queue="k", **FAST)
+    make_task(kube, "kept-b", queue="k", **FAST)
+    agent = Agent(kube, identity=Identity(pod="looping", instance="x"))
+    handlers: list[object] = []
+    interrupted: list[str] = []
+
+    def handler(task: ClaimedTask) -> str:
+        handlers.append(signal.getsignal(signal.SIGUSR1))
+        if task.name == "kept-a" and task.epoch == 1:
+            _requeue_now(kube, task.name)
+            deadline = time.monotonic() + 30
+            try:
+                while time.monotonic() < deadline:  # busy work that never checks
+                    sum(range(1000))
+            except errors.LostLease:
+                interrupted.append(task.name)
+                raise
+        return "ok"
+
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert agent.work("k", handler, max_tasks=2, idle_timeout=30) == 2
+    finally:
+        agent.close()
+    assert interrupted == ["kept-a"]
+    assert len(handlers) == 3 and len(set(map(id, handlers))) == 1 and handlers[0] != before
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert record.decode(kube.get(LEASES, "kept-a")).epoch == 2
 
 
 def _requeue_now(kube: Kube, name: str) -> None:

@@ -17,6 +17,7 @@ at its next Python bytecode (after a blocking call returns).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import heapq
 import itertools
@@ -30,7 +31,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -425,27 +426,54 @@ _FIRST_TURNS = _FirstTurns()
 class _Interrupts:
     """The one SIGUSR1 handler of the process, shared by every claim entered on the main
     thread (nested claims included): it raises LostLease for whichever of them is lost, so
-    no claim's loss is dropped by another claim's handler."""
+    no claim's loss is dropped by another claim's handler. It is in place while a claim is
+    entered, or while a work loop runs on the main thread (`kept`): not swapped in and out
+    for each of the loop's tasks."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._claims: list[ClaimedTask] = []
+        self._loops = 0  # work loops running on the main thread
         self._previous: Any = None
 
     def enter(self, task: ClaimedTask) -> None:
         with self._lock:
-            if not self._claims:
-                self._previous = signal.signal(signal.SIGUSR1, self._raise)
+            self._install()
             self._claims.append(task)
 
     def leave(self, task: ClaimedTask) -> None:
         with self._lock:
             if task in self._claims:
                 self._claims.remove(task)
-                if not self._claims:
-                    # Put back in the same breath: a signal never meets the default handler
-                    # (which would end the process).
-                    signal.signal(signal.SIGUSR1, self._previous)
+                self._restore()
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """In place from here to the end of the block, when on the main thread (a signal
+        meanwhile, with no claim of ours lost inside, does nothing)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        with self._lock:
+            self._install()
+            self._loops += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loops -= 1
+                self._restore()
+
+    def _install(self) -> None:
+        """Caller holds the lock."""
+        if not self._claims and not self._loops:
+            self._previous = signal.signal(signal.SIGUSR1, self._raise)
+
+    def _restore(self) -> None:
+        """Caller holds the lock. Put back in the same breath as the last one leaves: a signal
+        never meets the default handler (which would end the process)."""
+        if not self._claims and not self._loops:
+            signal.signal(signal.SIGUSR1, self._previous)
 
     def _raise(self, signum: int, frame: FrameType | None) -> None:
         for task in list(self._claims):
@@ -599,6 +627,11 @@ class Agent:
         """The worker loop: claim, run `handler`, complete with what it returns. Returns how many
         tasks it completed; stops on `stop`, after `max_tasks`, or after `idle_timeout` idle."""
         stop = stop or threading.Event()
+        with _interrupts.kept():
+            return self._work(queue, handler, stop=stop, max_tasks=max_tasks, idle_timeout=idle_timeout)
+
+    def _work(self, queue: str, handler: Callable[[ClaimedTask], Any], *, stop: threading.Event,
+              max_tasks: int | None, idle_timeout: float | None) -> int:
         done = 0
         while not stop.is_set() and (max_tasks is None or done < max_tasks):
             try:
