@@ -264,6 +264,8 @@ class ClaimedTask:
     def _end_turns(self) -> None:
         """No more renewals, and no more following, from now: a later claim of the same task
         is followed afresh (a claim that ends before its first renewal has no thread to do it)."""
+        if self._stop.is_set():
+            return  # ended already: an ending, then leaving the `with` block
         self._stop.set()
         if self._following is not None:
             self._following.close()
