@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", nargs="?", type=int, const=100000, default=0, metavar="N",
                         help="also create N tasks (default 100,000) and drain them all with the operator on and "
                         "the most agents of --agents (adds about 40 minutes on 2 cores)")
-    parser.add_argument("--pairs", type=int, default=5,
+    parser.add_argument("--pairs", type=int, default=7,
                         help="SDK and raw floor cases run this many times at each agent count, in pairs "
-                        "(order alternating); SDK ÷ raw is the median of the pairs' ratios")
+                        "made ready together and run back to back (order alternating); SDK ÷ raw is the "
+                        "median of the pairs' ratios")
     parser.add_argument("--kills", type=int, default=4, help="agents killed per recovery measurement")
     parser.add_argument("--worker", choices=[*FLOORS, "sdk", "idle"], help=argparse.SUPPRESS)
     parser.add_argument("--kubeconfig", help=argparse.SUPPRESS)
