@@ -11,6 +11,7 @@ import pytest
 from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
 from tasklease.agent import discovery
+from tasklease.agent.membership import Membership
 from tasklease.agent.discovery import (
     CandidateIndex,
     Owner,
@@ -27,6 +28,7 @@ from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import LeaseRecord, Protocol, TaskView, members, record
+from tasklease.protocol.members import MemberLease
 
 
 def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
@@ -104,18 +106,16 @@ def test_an_agent_knows_its_own_tasks_as_the_owner_would_say_without_hashing_eve
     assert calls < len(names) * len(agents) / 2  # most tasks are another's, and found so early
 
 
-def test_a_thief_takes_from_busy_owners_first_never_from_claiming_ones_deputies_first() -> None:
-    names = [f"task-{i:02d}" for i in range(4)]
-    table = {"task-00": (0.9, "claiming", "me"), "task-01": (0.8, "idle", "other"),
-             "task-02": (0.5, "busy", "other"), "task-03": (0.4, "busy", "me")}
-    division = divide("me", names, lambda n: table[n], claiming={"claiming"}, busy={"busy"})
+def test_a_thief_takes_from_busy_owners_first_deputies_first() -> None:
+    names = [f"task-{i:02d}" for i in range(3)]
+    table = {"task-00": (0.8, "idle", "other"), "task-01": (0.5, "busy", "other"), "task-02": (0.4, "busy", "me")}
+    division = divide("me", names, lambda n: table[n], busy={"busy"})
     # Long work keeps the busy owner away; the idle one takes its own at once if it is alive;
     # among the busy owner's, the one we are the deputy for first.
-    assert division.ours == 0 and division.names == ["task-03", "task-02", "task-01", "task-00"]
+    assert division.ours == 0 and division.names == ["task-02", "task-01", "task-00"]
     assert division.owner is Owner.BUSY and division.deputy
-    idle = divide("me", names[:2], lambda n: table[n], claiming={"claiming"})
+    idle = divide("me", names[:1], lambda n: table[n])
     assert idle.owner is Owner.IDLE and not idle.deputy
-    assert divide("me", names[:1], lambda n: table[n], claiming={"claiming"}).owner is Owner.CLAIMING
     # Everyone agrees on each task's owner and deputy, and the deputy is the next in line.
     agents = [f"agent-{a}/x" for a in range(8)]
     for name in names:
@@ -137,7 +137,8 @@ def test_strict_priority_holds_whoever_owns_what() -> None:
 def test_an_agent_whose_peers_own_the_oldest_tasks_looks_deeper_instead_of_idling(
         kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by draining 100,000 tasks with 16 agents: agents that owned none of the oldest
-    tasks, all of whose owners were claiming, waited until their idle timeout and stopped."""
+    tasks, all of whose owners were claiming, waited until their idle timeout and stopped.
+    The claiming owners' tasks leave the index ("parked"): no later look passes them again."""
     peers = [f"peer-{p:02d}/x" for p in range(15)]
     everyone = [*peers, "me/x"]
     view = QueueView(kube, namespace="ns", queue="deep")  # fed by hand below: never started
@@ -146,10 +147,11 @@ def test_an_agent_whose_peers_own_the_oldest_tasks_looks_deeper_instead_of_idlin
         return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
                              "creationTimestamp": f"2026-01-01T{second // 3600:02d}:{second // 60 % 60:02d}:"
                                                   f"{second % 60:02d}Z"}, "spec": {"queue": "deep"}}
-    for p, peer in enumerate(peers):  # each peer has just claimed: they are at work
+    for p, peer in enumerate(peers):  # each peer is claiming: at work, taking its own
         view._on_task("ADDED", task(f"held-{p}", p))
         view._on_member("ADDED", {"metadata": {"name": members.lease_name("deep", peer), "annotations": {
-            members.ANN_TOOK: f'["held-{p}"]', members.ANN_HOLDING: "1"}}, "spec": {"holderIdentity": peer}})
+            members.ANN_TOOK: f'["held-{p}"]', members.ANN_HOLDING: "1", members.ANN_CLAIMING: "true"}},
+            "spec": {"holderIdentity": peer}})
     theirs = (n for n in (f"t-{i:05d}" for i in range(100000)) if owner(everyone, n)[1] != "me/x")
     for second in range(100, 800):  # the 700 oldest open tasks are all the peers'
         view._on_task("ADDED", task(next(theirs), second))
@@ -158,8 +160,8 @@ def test_an_agent_whose_peers_own_the_oldest_tasks_looks_deeper_instead_of_idlin
         view._on_task("ADDED", task(name, second))
     candidates, division = view.choose("me/x", now_utc(), window=32)
     assert division.ours == len(mine) and {t.name for t, _ in candidates} == set(mine)
-    # The next look starts shallow and goes as deep again: the owners it passes are remembered
-    # (found by `make bench`: recomputed on every look, 16 hashes each, they cost 11 ms a claim).
+    assert view.claimable_count() == len(mine)  # the peers' 700 are parked
+    # The next look finds ours at once; no owner is computed (every peer claims: none need be known).
     counted: list[str] = []
     monkeypatch.setattr(discovery, "owner", lambda peers, name: counted.append(name) or owner(peers, name))
     view.mark_taken(candidates[0][0].name, None)
@@ -248,12 +250,15 @@ def test_an_agent_learns_what_is_taken_without_seeing_held_leases(kube: Kube) ->
 
 def test_a_thief_leaves_a_new_task_to_its_owner_until_it_could_have_been_told_taken(kube: Kube) -> None:
     """A task its owner claimed by creating its Lease is known taken only once the operator
-    projects it or the owner's member Lease tells (`members.TELL_S`): until then a thief
-    that took it would only lose the race."""
+    projects it or the owner says it claims (then its share is left to it) or tells: until
+    then a thief that took it would only lose the race."""
     clock = [100.0]
     view = QueueView(kube, namespace="ns", queue="q", clock=lambda: clock[0])  # fed by hand: never started
+    joined: list[str] = []
+    view.join_listeners.append(joined.append)
     view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x")},
                               "spec": {"holderIdentity": "peer/x"}})
+    assert joined == ["peer/x"]  # our member Lease's thread hears of it (`Membership.joined`)
     everyone = ["peer/x", "me/x"]
     theirs = [n for n in (f"t-{i}" for i in range(50)) if owner(everyone, n)[1] == "peer/x"][:3]
     mine = next(n for n in (f"m-{i}" for i in range(50)) if owner(everyone, n)[1] == "me/x")
@@ -280,13 +285,23 @@ def test_a_thief_leaves_a_new_task_to_its_owner_until_it_could_have_been_told_ta
     clock[0] += 0.5
     candidates, division = view.choose("me/x", now_utc(), window=8)
     assert [t.name for t, _ in candidates] == [theirs[1]] and division.ours == 0 and division.wait_s == 0
-    # The owner tells of a claim (the operator is down): it is at work, and takes its own itself.
-    view._on_member("MODIFIED", {"metadata": {"name": members.lease_name("q", "peer/x"),
-                                              "annotations": {members.ANN_TOOK: '["elsewhere"]'}},
-                                 "spec": {"holderIdentity": "peer/x"}})
+    # The owner says it claims (the operator is down): it takes its own itself; they leave our index.
+    def said(claiming: str, took: str = "[]") -> dict[str, Any]:
+        return {"metadata": {"name": members.lease_name("q", "peer/x"),
+                             "annotations": {members.ANN_TOOK: took, members.ANN_CLAIMING: claiming}},
+                "spec": {"holderIdentity": "peer/x"}}
+    view._on_member("MODIFIED", said("true"))
     candidates, division = view.choose("me/x", now_utc(), window=8)
-    active = discovery._ACTIVE.total_seconds()
-    assert division.owner is Owner.CLAIMING and active - 1 < division.wait_s <= active  # until its mark runs out
+    silent = members.DURATION_S
+    assert candidates == [] and silent - 1 < division.wait_s <= silent  # until it would be gone, were it silent
+    assert view.claimable_count() == 0
+    # It stops claiming and tells what it took: the one it did not take is a thief's again, at once.
+    generation = view.generation()
+    view._on_member("MODIFIED", said("false", took=f'["{theirs[0]}"]'))
+    assert view.generation() > generation and view.claimable_count() == 1
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    assert [t.name for t, _ in candidates] == [theirs[1]] and division.owner is Owner.IDLE
+    assert joined == ["peer/x"]  # the same member, written again: nobody joined
 
 
 def test_candidates_kept_from_an_earlier_look_are_not_claimed_once_cancelled(kube: Kube) -> None:
@@ -326,27 +341,36 @@ def test_an_open_task_kept_compact_reads_back_the_same() -> None:
     assert len(compact(base)) < 120  # the defaults the API server filled in are not kept
 
 
-def test_a_member_tells_only_of_claims_the_operator_did_not_project_in_time(kube: Kube) -> None:
+def test_a_member_tells_only_of_claims_the_operator_did_not_project_once_it_stops_claiming(kube: Kube) -> None:
     """The operator's Running projection tells every agent that a task is taken: its claimer
-    writes only the claims it did not see projected within `members.TELL_S`, in one write."""
+    says it claims, and once it stops (`members.QUIET_S` later) writes only the claims it did
+    not see projected, in one write."""
     for name in ("tell-a", "tell-b", "tell-c"):
         make_task(kube, name, queue="tell")
     told: list[str] = []  # every name any member Lease of the queue ever told
+    said: list[members.Member] = []
+
+    def heard(kind: str, obj: dict[str, Any]) -> None:
+        said.append(members.decode(obj))
+        told.extend(said[-1].took)
     tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector("tell"),
-                      listener=lambda kind, obj: told.extend(members.decode(obj).took), keep_objects=False)
+                      listener=heard, keep_objects=False)
     tells.start()
     peer = QueueView(kube, namespace=kube.namespace, queue="tell")  # what another agent hears
     peer.start()
     agent = Agent(kube, identity=Identity(pod="tell-agent", instance="a"))
     try:
         projected, *unprojected = (agent.claim("tell", timeout=30) for _ in range(3))
-        # As the operator does: Running, with the attempt, before TELL_S has passed.
+        # As the operator does: Running, with the attempt, before QUIET_S has passed.
         task = kube.get(TASKS, projected.name)
         task["status"] = {"phase": "Running", "attempt": 1}
         kube.replace(TASKS, task, sub="status")
         wait_for(lambda: {t.name for t in unprojected} <= set(told), message="the unprojected claims told")
         assert projected.name not in told and agent.member_writes().told == 1
         wait_for(lambda: peer.claimable_count() == 0, message="all three known taken to the peer")
+        telling = next(i for i, m in enumerate(said) if m.took)
+        assert any(m.claiming and not m.took for m in said[:telling])  # said it claims, told nothing
+        assert not said[telling].claiming and said[telling].holder  # told once it stopped claiming
     finally:
         agent.close()
         peer.stop()
@@ -387,3 +411,27 @@ def test_an_agent_that_joins_is_a_member_to_its_peers_before_it_claims(kube: Kub
     finally:
         agent.close()
         peer.stop()
+
+
+def test_a_claiming_member_tells_what_it_took_at_once_when_a_peer_joins(kube: Kube) -> None:
+    """A newcomer takes part of every member's share, and would race for what a claiming
+    member took and has not told: the member tells it at once, and goes on claiming."""
+    said: list[members.Member] = []
+    tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector("joins"),
+                      listener=lambda kind, obj: said.append(members.decode(obj)), keep_objects=False)
+    tells.start()
+    member = Membership(MemberLease(kube, namespace=kube.namespace, queue="joins", holder="old/x"),
+                        holder="old/x", holding=lambda: 2)
+    member.start()
+    try:
+        member.took("j-1", created=True, stolen=False)
+        member.took("j-2", created=True, stolen=False)
+        member.joined("new/x")
+        wait_for(lambda: any(m.took for m in said), message="the claims told")
+        first = next(m for m in said if m.took)
+        # Told while claiming (`QUIET_S` had not passed): the join's write, not the stop's.
+        assert first.took == ("j-1", "j-2") and first.claiming and first.holding == 2
+        assert member.writes.told == 1
+    finally:
+        member.close()
+        tells.stop()

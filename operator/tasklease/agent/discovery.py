@@ -6,8 +6,9 @@ and its queue's member Leases (`protocol.members`: who works the queue, and what
 claim, a renewal or a completion of a task's Lease reaches no other agent: a Lease that
 stops being free arrives as DELETED, which means exactly "no longer claimable"; a task
 claimed by creating its Lease is learnt from the operator's projection of its Task or,
-failing that, from its claimer's member Lease, a batch of names at a time. Agents divide
-the tasks among the members, so none needs to hear of each claim.
+failing that, from its claimer's member Lease once it stops claiming, a batch of names at a
+time. Agents divide the tasks among the members, so none needs to hear of each claim: a
+claiming member's share leaves its peers' index (it is "parked") until it stops claiming.
 
 Each event re-judges one task with the one claimability rule (`rules.blocker`) and updates
 the index in O(log n). No polling: a waiting agent sleeps until something becomes
@@ -38,13 +39,11 @@ from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]
 _SPREAD_PER_HOLDER = 8
-# A peer that told of a claim this recently is at it: the tasks it owns are left to it.
-_ACTIVE = timedelta(seconds=2 * members.TELL_S)
 # Another's task that became claimable without a Lease (new, or its start came) less than
-# this ago may be its owner's already: claimed by creating its Lease, which no watch of ours
-# shows, and neither the operator's projection nor the owner's member Lease has told us yet.
-# (A claim of a free Lease reaches us at once: the Lease leaves our watch.)
-_RIPE_S = members.TELL_S + 0.5
+# this ago may be its owner's already: an owner that was not claiming takes it at once and
+# says it claims (one write, one watch event), but claimed by creating its Lease, which no
+# watch of ours shows. (A claim of a free Lease reaches us at once: the Lease leaves our watch.)
+_RIPE_S = members.QUIET_S + 0.5
 _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
@@ -76,7 +75,7 @@ class Peer:
 
     holder: str
     holding: int
-    claimed: datetime  # when we last heard it took something
+    claiming: bool  # taking its own tasks: they are left to it
     until: datetime  # gone, unless renewed before (our clock: when we saw it, plus its duration)
 
 
@@ -109,9 +108,8 @@ def owned_weight(me: str, peers: Iterable[str], name: str) -> float | None:
 class Owner(enum.IntEnum):
     """What the owner of another agent's task is doing, in the order a thief takes from it."""
 
-    BUSY = 0  # holds a lease it took more than `_ACTIVE` ago: long work, it will not take more soon
-    IDLE = 1  # holds nothing and has not claimed lately: it takes its task now, if it is alive
-    CLAIMING = 2  # claimed within `_ACTIVE`: it takes its tasks itself; leave them to it
+    BUSY = 0  # holds a lease and is not claiming: long work, it will not take more soon
+    IDLE = 1  # holds nothing and is not claiming: it takes its task now, if it is alive
 
 
 @dataclass(frozen=True)
@@ -119,19 +117,19 @@ class Division:
     """One look's candidates divided among the agents at work (rendezvous hashing): each
     task belongs to the agent that weighs it highest. Agents that know the same peers never
     race for a task while each has one of its own; a task is taken from its owner (stolen)
-    only by an agent that has none, and never from an owner that is claiming."""
+    only by an agent that has none, and never from an owner that is claiming (its tasks
+    are not candidates to its peers: `QueueView` parks them)."""
 
     names: list[str]  # best first: ours in our weight order or, if none is ours, the others' (`divide`)
     ours: int  # how many are ours: all of `names`, or none
     owner: Owner | None  # when none is ours: what the owner of the first is doing
     deputy: bool = False  # when none is ours: we are the first's deputy, the first thief in line
     # When none may be taken now: how soon to look again (a new task ripens, `_RIPE_S`, or a
-    # claiming owner's mark runs out, `_ACTIVE`), unless something changes first.
+    # claiming owner would be gone, were it silent), unless something changes first.
     wait_s: float = 0.0
 
 
-def divide(me: str, names: list[str], owners: Callable[[str], Ownership],
-           claiming: Collection[str] = (), busy: Collection[str] = ()) -> Division:
+def divide(me: str, names: list[str], owners: Callable[[str], Ownership], busy: Collection[str] = ()) -> Division:
     """Divide `names` (one band's oldest) between `me` and the peers `owners` names. When
     none is ours, the others' come in the order a thief should take them (`Owner`), ours
     as deputy first, then by our weight, so that thieves too spread out."""
@@ -147,8 +145,8 @@ def divide(me: str, names: list[str], owners: Callable[[str], Ownership],
         ours.sort(reverse=True)
         return Division(names=[name for _, name in ours], ours=len(ours), owner=None)
     # Only now our weight for the others': most looks find some of their own (a hash each saved).
-    later = sorted((Owner.CLAIMING if peer in claiming else Owner.BUSY if peer in busy else Owner.IDLE,
-                    deputy != me, -weight(me, name), name) for name, peer, deputy in others)
+    later = sorted((Owner.BUSY if peer in busy else Owner.IDLE, deputy != me, -weight(me, name), name)
+                   for name, peer, deputy in others)
     return Division(names=[entry[3] for entry in later], ours=0, owner=later[0][0] if later else None,
                     deputy=bool(later) and not later[0][1])
 
@@ -278,10 +276,15 @@ class QueueView:
         self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
         self._ours: dict[str, float | None] = {}  # name → our weight if ours among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
+        # Others' candidates whose owner is claiming (name → the owner, "" while every peer is):
+        # out of the index until it stops claiming or the peers change. Without this, every
+        # look would pass again what its owner took and has not told.
+        self._parked: dict[str, str] = {}
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
         self.task_listeners: list[Listener] = []  # also told of every Task event, after the view
+        self.join_listeners: list[Callable[[str], None]] = []  # told of each member that joins
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
                       listener=self._on_task, keep_objects=False),
@@ -333,20 +336,29 @@ class QueueView:
             self._release_due(now)
             live = self._live_members(now)
             peers = frozenset((*(m.holder for m in live), holder))
+            if peers != self._owners_of:  # divided anew: what we parked may be ours now
+                self._owners, self._ours, self._owners_of = {}, {}, peers
+                self._unpark(None, now)
+            claiming = {m.holder: m.until for m in live if m.claiming and m.holder != holder}
             held = sum(m.holding for m in live if m.holder != holder)
             window = max(window, _SPREAD_PER_HOLDER * max(held, len(peers)))
             while True:
                 names = self._index.best(window)
                 if not names:
-                    return [], Division(names=[], ours=0, owner=None)
+                    # Nothing, or only what claiming peers take themselves: look again when the
+                    # first of them would be gone, were it silent (a peer that stops claiming wakes us).
+                    wait = min(claiming.values()) - now if self._parked and claiming else timedelta(0)
+                    return [], Division(names=[], ours=0, owner=None, wait_s=max(wait.total_seconds(), 0.0))
                 # Kept across looks (each starts shallow again, and a deep one needs the owners of
                 # all it passes); bounded, as taken tasks leave their entries behind.
-                if peers != self._owners_of or len(self._owners) + len(self._ours) > _OWNERS_KEPT:
-                    self._owners, self._ours, self._owners_of = {}, {}, peers
+                if len(self._owners) + len(self._ours) > _OWNERS_KEPT:
+                    self._owners, self._ours = {}, {}
+                weights = [(self._weight_if_ours(n, holder), n) for n in names]
+                # Others' tasks whose owner claims leave the index now: later looks pass only ours.
+                others = self._park([n for top, n in weights if top is None], claiming)
                 # Ours first, best first, and only as many judged as wanted: at 16 agents 15 of
                 # 16 names in the window are someone else's, and a claim tries one.
-                ours = sorted(((top, n) for n in names if (top := self._weight_if_ours(n, holder)) is not None),
-                              reverse=True)
+                ours = sorted(((top, n) for top, n in weights if top is not None), reverse=True)
                 mine: list[str] = []
                 for _, name in ours:
                     if len(mine) == limit:
@@ -355,19 +367,18 @@ class QueueView:
                 if mine:
                     return ([(self._view(n), self._with_history(n)) for n in mine],
                             Division(names=mine, ours=len(mine), owner=None))
+                if not others:
+                    continue  # none ours, the rest parked: they left the index, the band's next ones come
                 deeper = len(names) == window and window < _DEEPEST
                 # Going deeper needs only one of these claimable; a thief's pick needs them all.
-                ready = self._ready(names, now, first_only=deeper)
+                ready = self._ready(others, now, first_only=deeper)
                 if ready and deeper:
                     window *= 4  # none of these is ours, and the band has more
                 elif ready:
                     ripe, ripe_in = self._ripe(ready)
                     if not ripe:
                         return [], Division(names=[], ours=0, owner=None, wait_s=ripe_in)
-                    claiming = {m.holder: m.claimed for m in live if now - m.claimed < _ACTIVE}
-                    division = divide(holder, ripe, self._owner, claiming, {m.holder for m in live if m.holding})
-                    if division.owner is Owner.CLAIMING:  # all of them: a thief takes from claiming owners last
-                        division = replace(division, wait_s=(min(claiming.values()) + _ACTIVE - now).total_seconds())
+                    division = divide(holder, ripe, self._owner, {m.holder for m in live if m.holding})
                     return [(self._view(n), self._with_history(n)) for n in division.names[:limit]], division
 
     def still(self, names: list[str], now: datetime) -> list[Candidate]:
@@ -376,6 +387,29 @@ class QueueView:
         with self._changed:
             return [(self._view(n), self._with_history(n)) for n in names
                     if n in self._index and self._ready([n], now)]
+
+    def _park(self, names: list[str], claiming: Collection[str]) -> list[str]:
+        """Caller holds the lock. Those of `names` (others' candidates) whose owner is not
+        `claiming`; the others leave the index until their owner stops claiming (`_unpark`)."""
+        if not claiming:
+            return names
+        # While every peer claims, no owner need be known (16 hashes a task at 16 agents).
+        everyone = len(claiming) == len(self._owners_of) - 1
+        kept = []
+        for name in names:
+            peer = "" if everyone else self._owner(name)[1]
+            if everyone or peer in claiming:
+                self._parked[name] = peer
+                self._index.discard(name)
+            else:
+                kept.append(name)
+        return kept
+
+    def _unpark(self, owners: Collection[str] | None, now: datetime) -> None:
+        """Caller holds the lock. The tasks parked for `owners` (None: all) are judged again."""
+        for name in [n for n, peer in self._parked.items() if owners is None or peer in owners]:
+            self._judge(name, now)
+            del self._parked[name]
 
     def _ripe(self, names: list[str]) -> tuple[list[str], float]:
         """Caller holds the lock. Those of `names` (others' candidates) that may be taken from
@@ -460,6 +494,7 @@ class QueueView:
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
                 self._taken.pop(name, None)
+                self._parked.pop(name, None)
             else:
                 self._tasks[name] = text
                 self._remember(name, view)
@@ -495,22 +530,29 @@ class QueueView:
         member = members.decode(obj)
         now = timestamps.now_utc()
         with self._changed:
+            for name in member.took:  # also when it leaves
+                # Claimed by creating its Lease, which no watch of ours shows; a claim of a free
+                # Lease was a DELETED already, and one freed since is in `_leases` again.
+                if name in self._tasks and name not in self._leases:
+                    self._taken[name] = ""
+                    self._index.discard(name)
+                    self._parked.pop(name, None)
             before = self._members.get(member.name)
             if kind == "DELETED" or not member.holder:
                 self._members.pop(member.name, None)
             else:
-                claimed = now if member.took else before.claimed if before else datetime.min.replace(tzinfo=now.tzinfo)
-                self._members[member.name] = Peer(holder=member.holder, holding=member.holding, claimed=claimed,
+                self._members[member.name] = Peer(holder=member.holder, holding=member.holding,
+                                                  claiming=member.claiming,
                                                   until=now + timedelta(seconds=member.duration_s))
-                for name in member.took:
-                    # Claimed by creating its Lease, which no watch of ours shows; a claim of a free
-                    # Lease was a DELETED already, and one freed since is in `_leases` again.
-                    if name in self._tasks and name not in self._leases:
-                        self._taken[name] = ""
-                        self._index.discard(name)
             after = self._members.get(member.name)
+            joined = after.holder if after and not before else ""
             if (before and before.holder) != (after and after.holder):
                 self._bump()  # a peer came or went: the tasks are divided anew
+            elif before and after and before.claiming and not after.claiming:
+                self._unpark({before.holder, ""}, now)  # its share is a thief's now (the rest told taken)
+        if joined:
+            for listener in self.join_listeners:
+                listener(joined)
 
     def _live_members(self, now: datetime) -> list[Peer]:
         """Caller holds the lock. The members not gone silent; the silent ones are forgotten."""
@@ -588,7 +630,8 @@ class QueueView:
         found = blocker(task, rec, now)
         if found is None:
             if self._index.add(name, task.spec.priority, task.created):
-                if rec is None and self.task_watch.synced.is_set():  # the first list's tasks are not new
+                # Not new: the first list's tasks, nor those we parked (known, and left to their owner).
+                if rec is None and self.task_watch.synced.is_set() and name not in self._parked:
                     self._note_fresh(name)
                 self._bump()
             return

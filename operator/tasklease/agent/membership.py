@@ -1,8 +1,9 @@
 """This agent's membership of a queue: its member Lease (`protocol.members`), kept by a thread.
 
-Written at once on joining, then every third of its duration (liveness), and when a task we
-claimed by creating its Lease has not been projected by the operator within `TELL_S`: then
-one write tells the peers of every such claim. Left on `close`.
+Written at once on joining, then every third of its duration (liveness); when we start
+claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
+operator did not project; at once for a theft, or when a peer joins, if there is anything
+to tell; every `TELL_MAX` untold claims. Left on `close`, telling what is left to tell.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Final
 
 from tasklease.api import errors
 from tasklease.kube import JSON
-from tasklease.protocol.members import DURATION_S, TELL_S, MemberLease
+from tasklease.protocol.members import DURATION_S, QUIET_S, TELL_MAX, MemberLease
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,8 @@ _RETRY_S: Final = 1.0
 class Writes:
     """Successful writes of member Leases (the bench counts them)."""
 
-    told: int = 0  # that told of claims: per claim the operator did not project in time
-    liveness: int = 0  # that only said we are here (or left): per agent and time, not per task
+    told: int = 0  # that told of claims the operator did not project: per agent and stop, not per task
+    liveness: int = 0  # that only said we are here, claiming or not (or left): per agent and time
 
     def __add__(self, other: Writes) -> Writes:
         return Writes(told=self.told + other.told, liveness=self.liveness + other.liveness)
@@ -38,12 +39,16 @@ class Writes:
 class Membership:
     """This agent's member Lease in one queue, written by a thread of its own from `start` to `close`."""
 
-    def __init__(self, lease: MemberLease, *, holding: Callable[[], int]) -> None:
-        """`holding`: how many leases the agent holds now."""
+    def __init__(self, lease: MemberLease, *, holder: str, holding: Callable[[], int]) -> None:
+        """`holder`: this agent; `holding`: how many leases it holds now."""
         self._lease = lease
+        self._holder = holder
         self._holding = holding
-        self._untold: dict[str, float] = {}  # name → when we took it, oldest first
-        self._urgent = False
+        self._untold: dict[str, None] = {}  # claims to tell of, in order
+        self._urgent = False  # tell now
+        self._claimed_at = -math.inf  # our last claim (monotonic)
+        self._claiming = False  # what our next write says
+        self._said = False  # what our last write said
         self._wake = threading.Condition()
         self._stopping = False
         self.writes = Writes()
@@ -55,16 +60,18 @@ class Membership:
     def took(self, name: str, *, created: bool, stolen: bool) -> None:
         """We claimed `name`. A claim of a free Lease told our peers itself (the Lease left their
         watch); one that `created` its Lease is told by the operator's projection of the Task or,
-        failing that within `TELL_S`, by us; at once if we `stole` it from another member, whose
-        other thieves hold back only briefly."""
-        if not created:
-            return
+        failing that, by us when we stop claiming (until then our peers leave our share to us);
+        at once if we `stole` it from another member, whose other thieves hold back only briefly."""
         with self._wake:
-            # The thread wakes only when its next write comes sooner: for the first claim to
-            # tell, or a theft. Waking it for every claim cost a thread switch per task.
-            sooner = not self._untold or (stolen and not self._urgent)
-            self._untold.setdefault(name, time.monotonic())
-            self._urgent = self._urgent or stolen
+            self._claimed_at = time.monotonic()
+            # The thread wakes only for a write due now: the first claim says we claim, a theft
+            # or a full list tells. Waking it for every claim cost a thread switch per task.
+            sooner = not self._claiming
+            self._claiming = True
+            if created:
+                self._untold[name] = None
+                sooner = sooner or (stolen and not self._urgent) or len(self._untold) == TELL_MAX
+                self._urgent = self._urgent or stolen
             if sooner:
                 self._wake.notify()
 
@@ -76,6 +83,13 @@ class Membership:
             with self._wake:
                 self._untold.pop(name, None)
 
+    def joined(self, holder: str) -> None:
+        """`holder` joined the queue: some of what we took untold is its share now, as it sees it."""
+        if holder != self._holder and self._untold:
+            with self._wake:
+                self._urgent = True
+                self._wake.notify()
+
     def close(self) -> None:
         """Leave: our peers stop counting us at once, and divide our share among themselves."""
         with self._wake:
@@ -86,23 +100,23 @@ class Membership:
     def _due(self, last: float, not_before: float) -> float:
         """Caller holds the lock. Seconds until the next write."""
         now = time.monotonic()
-        due = last + DURATION_S / 3 - now
-        if self._urgent:
+        if self._urgent or self._claiming != self._said or len(self._untold) >= TELL_MAX:
             due = 0.0
-        elif self._untold:
-            due = min(due, next(iter(self._untold.values())) + TELL_S - now)
+        elif self._claiming:
+            due = min(last + DURATION_S / 3, self._claimed_at + QUIET_S) - now  # alive, or quiet
+        else:
+            due = last + DURATION_S / 3 - now
         return max(due, not_before - now)
 
-    def _tell(self) -> dict[str, float]:
-        """Caller holds the lock. Takes the claims this write tells of: all of them once one was
-        stolen, or one was not projected within TELL_S (the younger ones too: one write for
-        several); none in a write that only says we are alive (they may still be projected)."""
-        overdue = bool(self._untold) and next(iter(self._untold.values())) <= time.monotonic() - TELL_S
-        due, self._urgent = self._urgent or overdue, False
-        if not due:
-            return {}
-        told, self._untold = self._untold, {}
-        return told
+    def _next(self, *, leaving: bool) -> tuple[list[str], bool]:
+        """Caller holds the lock. What the write about to be made says: the claims it tells of,
+        and whether we claim. All of them once we stopped claiming (or are `leaving`), or one
+        was stolen, or they are many; none while we claim (our peers leave our share to us)."""
+        self._claiming = self._claiming and not leaving and time.monotonic() - self._claimed_at < QUIET_S
+        if not (self._urgent or not self._claiming or len(self._untold) >= TELL_MAX):
+            return [], True
+        told, self._untold, self._urgent = list(self._untold), {}, False
+        return told, self._claiming
 
     def _run(self) -> None:
         last, not_before = -math.inf, 0.0  # write at once: we are at work from now on
@@ -111,18 +125,20 @@ class Membership:
                 while not self._stopping and (due := self._due(last, not_before)) > 0:
                     self._wake.wait(due)
                 stopping = self._stopping
-                told = {} if stopping else self._tell()  # leaving: our peers stop dividing with us
+                told, claiming = self._next(leaving=stopping)
             try:
-                if not self._lease.write(list(told), 0 if stopping else self._holding(), left=stopping):
+                if not self._lease.write(told, 0 if stopping else self._holding(), claiming=claiming, left=stopping):
                     log.warning("Lease %s is not a member Lease (a Task of that name?): this agent works "
                                 "without telling its peers, who may race it more", self._lease.name)
                     return
                 self.writes += Writes(told=1) if told else Writes(liveness=1)
                 last = time.monotonic()
+                with self._wake:
+                    self._said = claiming
             except errors.TaskleaseError as exc:  # our peers count us for DURATION_S: try again soon
                 log.warning("could not write member Lease %s: %s", self._lease.name, exc)
                 with self._wake:
-                    self._untold = {**told, **self._untold}
+                    self._untold = {**dict.fromkeys(told), **self._untold}
                 not_before = time.monotonic() + _RETRY_S
             if stopping:
                 return

@@ -38,7 +38,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
-from tasklease.protocol import record
+from tasklease.protocol import members, record
 from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
 from tasklease.agent.discovery import Candidate, Division, Owner, QueueView, task_selector, weight
@@ -532,29 +532,43 @@ class Agent:
 
     def start(self) -> list[str]:
         """The live check (I5): release at once every lease an older instance of this pod, or
-        an earlier pod of its name, still holds, instead of letting it wait out its duration.
-        Returns their names."""
+        an earlier pod of its name, still holds, instead of letting it wait out its duration,
+        and end its membership of its queues (its peers would leave its share to it). Returns
+        the names of the leases released."""
         selector = f"{record.LABEL_HOLDER_POD}={record.label_value(self.identity.pod)}"
         released = []
         for obj in self.kube.list(LEASES, namespace=self.namespace, label_selector=selector).get("items", []):
             rec = record.decode(obj)
-            if rec.state != record.HELD or rec.holder_pod != self.identity.pod or rec.holder == self.identity.holder:
+            if rec.state != record.HELD or rec.holder_pod != self.identity.pod:
                 continue
-            # An earlier pod of our name (another uid) is gone for sure; in this pod, ask /proc.
-            ours, theirs = record.short_uid(self.identity.pod_uid), rec.holder_pod_uid
-            earlier_pod = bool(ours and theirs) and ours != theirs
-            instance = record.holder_instance(rec.holder)
-            if not earlier_pod and (container_of(instance) != container_of(self.identity.instance)
-                                    or not instance_gone(instance)):
-                continue  # another container's agent, or a sibling process in ours: not a dead predecessor
+            gone = self._predecessor(rec.holder)
+            if not gone:
+                continue
             try:
                 self.protocol.release(self.protocol.held_from(rec), f"its agent restarted as {self.identity.holder}")
             except errors.LostLease:
                 continue
-            log.info("released %s/%s: held by %s, %s", rec.namespace, rec.name, rec.holder,
-                     "an earlier pod of this name" if earlier_pod else "an older instance of this pod")
+            log.info("released %s/%s: held by %s, %s", rec.namespace, rec.name, rec.holder, gone)
             released.append(rec.name)
+        for obj in self.kube.list(LEASES, namespace=self.namespace, label_selector=members.LABEL_AGENT_OF)["items"]:
+            holder = members.decode(obj).holder
+            if record.holder_pod(holder) == self.identity.pod and self._predecessor(holder):
+                with contextlib.suppress(errors.Conflict, errors.NotFound):  # written or gone since: not ours to end
+                    members.retire(self.kube, obj)
         return released
+
+    def _predecessor(self, holder: str) -> str:
+        """Why `holder`, of our pod's name, is surely gone ("" if it may not be): an earlier pod of
+        our name (another uid), or an older instance in our pod whose process /proc says is gone."""
+        if not holder or holder == self.identity.holder:
+            return ""
+        ours, theirs = record.short_uid(self.identity.pod_uid), record.holder_pod_uid(holder)
+        if ours and theirs and ours != theirs:
+            return "an earlier pod of this name"
+        instance = record.holder_instance(holder)
+        if container_of(instance) != container_of(self.identity.instance) or not instance_gone(instance):
+            return ""  # another container's agent, or a sibling process in ours: not a dead predecessor
+        return "an older instance of this pod"
 
     def claim(self, queue: str, *, timeout: float | None = None, interrupt: bool = True,
               stop: threading.Event | None = None) -> ClaimedTask:
@@ -704,8 +718,10 @@ class Agent:
             if member is None:
                 pod = (self.identity.pod, self.identity.pod_uid) if self.identity.pod_uid else None
                 member = Membership(MemberLease(self.kube, namespace=self.namespace, queue=view.queue,
-                                                holder=self.identity.holder, pod=pod), holding=self._holding)
+                                                holder=self.identity.holder, pod=pod),
+                                    holder=self.identity.holder, holding=self._holding)
                 view.task_listeners.append(member.seen)  # the operator's projections tell our claims for us
+                view.join_listeners.append(member.joined)
                 member.start()
                 self._members[view.queue] = member
         if joining:
@@ -742,10 +758,10 @@ class Agent:
             elif stop.wait(pause):
                 raise errors.NothingToClaim("stopped")
             candidates, division = self._look(view)
-        if division.owner is Owner.CLAIMING or division.wait_s:
+        if division.wait_s:
             # All that is left belongs to agents that are claiming (they take it themselves), or
             # is others' and new (their owners may have it already). Look again when that may
-            # have changed; a peer that leaves, or a task freed, wakes us sooner.
+            # have changed; a peer that stops claiming or leaves, or a task freed, wakes us sooner.
             return [], max(division.wait_s, _SPREAD_S), False
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
         # next look offers our others), or a thief's pick.

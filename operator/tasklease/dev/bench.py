@@ -741,7 +741,7 @@ def _operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: flo
         watch.stop()
         _stop(operator)
     # One claim and one completion each (409s are not successful writes), and the member Lease
-    # writes that told of claims (those the operator did not project within TELL_S). The
+    # writes that told of claims (those the operator had not projected when told). The
     # members' liveness writes are per agent and time, as the operator's leader Lease
     # renewals are: shown beside, per agent and minute.
     agent_writes = 2 * tasks + report["member_told"]

@@ -7,10 +7,14 @@ reaching every agent of the queue (at 16 agents, 32 deliveries per task, which c
 than the task's own writes). Instead each agent at work keeps a member Lease of its own:
 
 - `holderIdentity`: the agent; none means it left.
+- `tasklease.dev/claiming`: "true" while it is taking its own tasks (it claimed within
+  `QUIET_S`): its peers leave its share to it, and need not hear of each claim it makes.
 - `tasklease.dev/took`: tasks it claimed by creating their Lease (which its peers do not
-  watch) since its previous write, and that the operator had not yet told them of within
-  `TELL_S` (a Task projected Running, or finished, is known taken to every agent). With the
-  operator keeping up, a member writes no claim at all: its member Lease only says it is alive.
+  watch) and had not told of yet, nor seen the operator tell of (a Task projected Running,
+  or finished, is known taken to every agent). A member tells when it stops claiming, when
+  it leaves, at once for a task it took from another member, when a peer joins (its share
+  moves to the newcomer in part), and every `TELL_MAX` claims: not once per claim, nor once
+  a second while it claims, which at 16 agents cost more than the tasks' own writes.
 - `tasklease.dev/holding`: how many leases it holds: a thief takes from busy agents first.
 - `leaseDurationSeconds`: a member not seen written for that long is gone.
 
@@ -34,15 +38,28 @@ from tasklease.protocol.record import label_value
 
 LABEL_AGENT_OF: Final = "tasklease.dev/agent-of"
 ANN_TOOK: Final = "tasklease.dev/took"
+ANN_CLAIMING: Final = "tasklease.dev/claiming"
 ANN_HOLDING: Final = "tasklease.dev/holding"
 DURATION_S: Final = 10
-# A member tells of a claim within this, if the operator has not: a task claimable for longer
-# than this (plus the time a watch takes) was not taken by its owner, whichever told.
-TELL_S: Final = 1.0
+# A member that claimed nothing for this long stops claiming: it tells what it took, and its
+# peers may take its share (long work keeps it away, or it has stopped).
+QUIET_S: Final = 1.0
+# A claiming member tells once it has this many untold claims: its annotation stays small.
+TELL_MAX: Final = 256
 
 
 def selector(queue: str) -> str:
     return f"{LABEL_AGENT_OF}={label_value(queue)}"
+
+
+def retire(kube: Kube, lease: JSON) -> None:
+    """Say, for the agent of member Lease `lease` (known gone: an earlier instance of our pod),
+    that it left: its peers divide its share at once, instead of leaving it to an agent that
+    claims no more until its Lease runs out. Conflict if it was written meanwhile."""
+    meta = lease["metadata"]
+    kube.merge_patch(LEASES, meta["name"], {
+        "metadata": {"resourceVersion": meta["resourceVersion"], "annotations": {ANN_CLAIMING: "false"}},
+        "spec": {"holderIdentity": None}}, namespace=meta["namespace"], timeout=5)
 
 
 def lease_name(queue: str, holder: str) -> str:
@@ -58,6 +75,7 @@ class Member:
     holder: str  # "" once it left
     took: tuple[str, ...] = ()
     holding: int = 0
+    claiming: bool = False
     duration_s: int = DURATION_S
 
 
@@ -70,6 +88,7 @@ def decode(lease: JSON) -> Member:
     except (ValueError, TypeError):  # edited by hand: the agent still counts as a peer
         took, holding = (), 0
     return Member(name=meta["name"], holder=spec.get("holderIdentity") or "", took=took, holding=holding,
+                  claiming=ann.get(ANN_CLAIMING) == "true",
                   duration_s=int(spec.get("leaseDurationSeconds") or DURATION_S))
 
 
@@ -87,11 +106,11 @@ class MemberLease:
         self.name = lease_name(queue, holder)
         self._version = ""  # after our last write
 
-    def write(self, took: list[str], holding: int, *, left: bool = False) -> bool:
-        """Say we work the queue (or `left` it), holding `holding` leases, having taken `took`
-        since the last write. False when the name belongs to a Lease that is not a member's
+    def write(self, took: list[str], holding: int, *, claiming: bool = False, left: bool = False) -> bool:
+        """Say we work the queue (or `left` it), holding `holding` leases, `claiming` or not,
+        having taken `took` since the last write. False when the name belongs to a Lease that is not a member's
         (a Task named so): then this agent cannot tell its peers anything."""
-        body = self._body(took, holding, left=left)
+        body = self._body(took, holding, claiming=claiming, left=left)
         if self._version:
             try:
                 self._patch(body, self._version)
@@ -118,9 +137,11 @@ class MemberLease:
         self._version = self._kube.merge_patch(LEASES, self.name, conditional, namespace=self._namespace,
                                                timeout=5)["metadata"]["resourceVersion"]
 
-    def _body(self, took: list[str], holding: int, *, left: bool) -> JSON:
+    def _body(self, took: list[str], holding: int, *, claiming: bool, left: bool) -> JSON:
+        # Every annotation every time: a merge patch keeps what it does not name.
         meta: JSON = {"name": self.name, "labels": {LABEL_AGENT_OF: label_value(self._queue)},
-                      "annotations": {ANN_TOOK: json.dumps(took, separators=(",", ":")), ANN_HOLDING: str(holding)}}
+                      "annotations": {ANN_TOOK: json.dumps(took, separators=(",", ":")), ANN_HOLDING: str(holding),
+                                      ANN_CLAIMING: "true" if claiming and not left else "false"}}
         if self._pod is not None:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self._pod[0], "uid": self._pod[1],
                                         "blockOwnerDeletion": False}]
