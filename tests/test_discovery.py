@@ -435,3 +435,66 @@ def test_a_claiming_member_tells_what_it_took_at_once_when_a_peer_joins(kube: Ku
     finally:
         member.close()
         tells.stop()
+
+
+def test_a_band_left_to_a_claiming_peer_holds_our_lower_bands_back(kube: Kube) -> None:
+    """Strict priority across agents: a higher band's task whose owner is claiming is left to
+    it (out of our index), and we take nothing of a lower band until the owner tells it took
+    it; or, once the owner no longer claims, we take it ourselves."""
+    view = QueueView(kube, namespace="ns", queue="q")  # fed by hand below: never started
+    everyone = ["peer/x", "me/x"]
+    urgent = [n for n in (f"u-{i}" for i in range(50)) if owner(everyone, n)[1] == "peer/x"][:2]
+    low = next(n for n in (f"l-{i}" for i in range(50)) if owner(everyone, n)[1] == "me/x")
+
+    def task(name: str, priority: int) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                             "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"queue": "q", "priority": priority}}
+
+    def said(claiming: str, took: str = "[]") -> dict[str, Any]:
+        return {"metadata": {"name": members.lease_name("q", "peer/x"),
+                             "annotations": {members.ANN_TOOK: took, members.ANN_CLAIMING: claiming}},
+                "spec": {"holderIdentity": "peer/x"}}
+    view._on_member("ADDED", said("true"))
+    view._on_task("ADDED", task(urgent[0], 10))
+    view._on_task("ADDED", task(low, 0))
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    assert candidates == [] and division.wait_s > 0  # not ours, and nothing lower while it is open
+    generation = view.generation()
+    view._on_member("MODIFIED", said("true", took=f'["{urgent[0]}"]'))  # it took it, and says so
+    assert view.generation() > generation  # a claimer held back wakes up
+    assert [t.name for t, _ in view.choose("me/x", now_utc(), window=8)[0]] == [low]
+
+    view._on_task("ADDED", task(urgent[1], 10))
+    assert view.choose("me/x", now_utc(), window=8)[0] == []  # held back again
+    # Its member Lease deleted and written again, not claiming (an agent restarted under the
+    # same name): its share is a thief's, and the urgent task comes first.
+    view._on_member("DELETED", said("true"))
+    view._on_member("ADDED", said("false"))
+    candidates, division = view.choose("me/x", now_utc(), window=8)
+    assert [t.name for t, _ in candidates] == [urgent[1]] and division.owner is Owner.IDLE
+
+
+def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_has_to_wait(kube: Kube) -> None:
+    """Its peers hold their lower bands back while a task of a higher band may be open: a
+    member that moves to a lower band, or finds nothing to claim, tells what it took."""
+    said: list[members.Member] = []
+    tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector("bands"),
+                      listener=lambda kind, obj: said.append(members.decode(obj)), keep_objects=False)
+    tells.start()
+    member = Membership(MemberLease(kube, namespace=kube.namespace, queue="bands", holder="m/x"),
+                        holder="m/x", holding=lambda: 1)
+    member.start()
+    try:
+        member.took("b-1", created=True, stolen=False, priority=10)
+        member.took("b-2", created=True, stolen=False, priority=0)  # down a band
+        wait_for(lambda: any(m.took for m in said), message="the first claims told")
+        first = next(m for m in said if m.took)
+        assert first.took[0] == "b-1" and first.claiming  # still claiming: not the stop's write
+        member.took("b-3", created=True, stolen=False, priority=0)
+        member.waiting()
+        wait_for(lambda: any("b-3" in m.took for m in said), message="the claim told on waiting")
+        assert next(m for m in said if "b-3" in m.took).claiming
+        assert member.writes.told == 2
+    finally:
+        member.close()
+        tells.stop()

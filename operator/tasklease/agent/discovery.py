@@ -22,6 +22,7 @@ import enum
 import hashlib
 import heapq
 import json
+from collections import Counter
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Final
+from typing import Final, TypeVar
 
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
@@ -38,12 +39,13 @@ from tasklease.protocol import LeaseRecord, TaskView, members, record
 from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]
+K = TypeVar("K")
 _SPREAD_PER_HOLDER = 8
 # Another's task that became claimable without a Lease (new, or its start came) less than
 # this ago may be its owner's already: an owner that was not claiming takes it at once and
 # says it claims (one write, one watch event), but claimed by creating its Lease, which no
 # watch of ours shows. (A claim of a free Lease reaches us at once: the Lease leaves our watch.)
-_RIPE_S = members.QUIET_S + 0.5
+_RIPE_S = 1.5
 _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
@@ -151,6 +153,13 @@ def divide(me: str, names: list[str], owners: Callable[[str], Ownership], busy: 
                     deputy=bool(later) and not later[0][1])
 
 
+def _count_down(counter: Counter[K], key: K) -> None:
+    """One less of `key`; none left, no key (a Counter's `max` and `get` see only the live ones)."""
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]
+
+
 # The spec's defaults as the API server writes them: a field equal to its default is not
 # kept, as validating the rest gives it back.
 _SPEC_DEFAULTS: Final = {k: v for k, v in models.TaskSpec.model_validate({"queue": "q"}).model_dump(
@@ -217,6 +226,10 @@ class CandidateIndex:
     def discard(self, name: str) -> None:
         self._members.pop(name, None)
 
+    def priority(self, name: str) -> int | None:
+        entry = self._members.get(name)
+        return entry[0] if entry else None
+
     def best(self, window: int) -> list[str]:
         """The `window` oldest candidates of the highest band that has any (strict priority)."""
         while self._priorities:
@@ -276,10 +289,13 @@ class QueueView:
         self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
         self._ours: dict[str, float | None] = {}  # name → our weight if ours among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
-        # Others' candidates whose owner is claiming (name → the owner, "" while every peer is):
-        # out of the index until it stops claiming or the peers change. Without this, every
-        # look would pass again what its owner took and has not told.
-        self._parked: dict[str, str] = {}
+        # Others' candidates whose owner is claiming (name → the owner, "" while every peer is,
+        # and the band): out of the index until it stops claiming or the peers change. Without
+        # this, every look would pass again what its owner took and has not told. Counted by
+        # owner and by band: strict priority holds lower bands back while one is parked.
+        self._parked: dict[str, tuple[str, int]] = {}
+        self._parked_owners: Counter[str] = Counter()
+        self._parked_bands: Counter[int] = Counter()
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
@@ -343,10 +359,12 @@ class QueueView:
             held = sum(m.holding for m in live if m.holder != holder)
             window = max(window, _SPREAD_PER_HOLDER * max(held, len(peers)))
             while True:
-                names = self._index.best(window)
-                if not names:
-                    # Nothing, or only what claiming peers take themselves: look again when the
-                    # first of them would be gone, were it silent (a peer that stops claiming wakes us).
+                names = self._index.best(window) if limit != 0 else []
+                held_back = max(self._parked_bands, default=None)
+                if not names or (held_back is not None and (self._index.priority(names[0]) or 0) < held_back):
+                    # Nothing, or only what claiming peers take themselves, or a lower band than
+                    # one of theirs (strict priority): look again when the first of them would be
+                    # gone, were it silent (one that tells, stops claiming or leaves wakes us).
                     wait = min(claiming.values()) - now if self._parked and claiming else timedelta(0)
                     return [], Division(names=[], ours=0, owner=None, wait_s=max(wait.total_seconds(), 0.0))
                 # Kept across looks (each starts shallow again, and a deep one needs the owners of
@@ -390,7 +408,10 @@ class QueueView:
 
     def _park(self, names: list[str], claiming: Collection[str]) -> list[str]:
         """Caller holds the lock. Those of `names` (others' candidates) whose owner is not
-        `claiming`; the others leave the index until their owner stops claiming (`_unpark`)."""
+        `claiming`, or that have a free Lease; the others leave the index until their owner
+        stops claiming (`_unpark`). A free Lease's claim reaches every agent at once (it leaves
+        their watch): such a task is no thief's loss, and one freed by expiry is not left to
+        an owner that may have died claiming."""
         if not claiming:
             return names
         # While every peer claims, no owner need be known (16 hashes a task at 16 agents).
@@ -398,18 +419,31 @@ class QueueView:
         kept = []
         for name in names:
             peer = "" if everyone else self._owner(name)[1]
-            if everyone or peer in claiming:
-                self._parked[name] = peer
+            priority = self._index.priority(name)
+            if priority is not None and name not in self._leases and (everyone or peer in claiming):
+                self._parked[name] = (peer, priority)
+                self._parked_owners[peer] += 1
+                self._parked_bands[priority] += 1
                 self._index.discard(name)
             else:
                 kept.append(name)
         return kept
 
+    def _unparked(self, name: str) -> bool:
+        """Caller holds the lock. Forget that `name` is parked; False if it was not."""
+        entry = self._parked.pop(name, None)
+        if entry is None:
+            return False
+        _count_down(self._parked_owners, entry[0])
+        _count_down(self._parked_bands, entry[1])
+        return True
+
     def _unpark(self, owners: Collection[str] | None, now: datetime) -> None:
         """Caller holds the lock. The tasks parked for `owners` (None: all) are judged again."""
-        for name in [n for n, peer in self._parked.items() if owners is None or peer in owners]:
-            self._judge(name, now)
-            del self._parked[name]
+        if owners is not None and not any(self._parked_owners.get(o) for o in owners):
+            return
+        for name in [n for n, (peer, _) in self._parked.items() if owners is None or peer in owners]:
+            self._judge(name, now)  # which unparks it
 
     def _ripe(self, names: list[str]) -> tuple[list[str], float]:
         """Caller holds the lock. Those of `names` (others' candidates) that may be taken from
@@ -494,7 +528,6 @@ class QueueView:
                 self._leases.pop(name, None)
                 self._histories.pop(name, None)
                 self._taken.pop(name, None)
-                self._parked.pop(name, None)
             else:
                 self._tasks[name] = text
                 self._remember(name, view)
@@ -530,13 +563,14 @@ class QueueView:
         member = members.decode(obj)
         now = timestamps.now_utc()
         with self._changed:
-            for name in member.took:  # also when it leaves
+            told = False
+            for name in member.took if kind != "DELETED" else ():  # also when it leaves
                 # Claimed by creating its Lease, which no watch of ours shows; a claim of a free
                 # Lease was a DELETED already, and one freed since is in `_leases` again.
                 if name in self._tasks and name not in self._leases:
                     self._taken[name] = ""
                     self._index.discard(name)
-                    self._parked.pop(name, None)
+                    told = self._unparked(name) or told
             before = self._members.get(member.name)
             if kind == "DELETED" or not member.holder:
                 self._members.pop(member.name, None)
@@ -546,10 +580,10 @@ class QueueView:
                                                   until=now + timedelta(seconds=member.duration_s))
             after = self._members.get(member.name)
             joined = after.holder if after and not before else ""
-            if (before and before.holder) != (after and after.holder):
-                self._bump()  # a peer came or went: the tasks are divided anew
-            elif before and after and before.claiming and not after.claiming:
-                self._unpark({before.holder, ""}, now)  # its share is a thief's now (the rest told taken)
+            if (before and before.holder) != (after and after.holder) or told:
+                self._bump()  # a peer came or went (the tasks are divided anew), or a band held back may be free
+            if after is None or not after.claiming:  # its share, if we parked any, is a thief's now
+                self._unpark({before.holder if before else member.holder, ""}, now)
         if joined:
             for listener in self.join_listeners:
                 listener(joined)
@@ -612,7 +646,9 @@ class QueueView:
         return replace(rec, history=tuple(models.Attempt.model_validate(a) for a in json.loads(text)))
 
     def _judge(self, name: str, now: datetime) -> None:
-        """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable."""
+        """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable.
+        A parked task is unparked: a look parks it again if its owner still claims."""
+        parked = self._unparked(name)
         task = self._task(name)
         rec = self._leases.get(name)
         if task is None:
@@ -631,7 +667,7 @@ class QueueView:
         if found is None:
             if self._index.add(name, task.spec.priority, task.created):
                 # Not new: the first list's tasks, nor those we parked (known, and left to their owner).
-                if rec is None and self.task_watch.synced.is_set() and name not in self._parked:
+                if rec is None and self.task_watch.synced.is_set() and not parked:
                     self._note_fresh(name)
                 self._bump()
             return

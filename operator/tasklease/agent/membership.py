@@ -2,8 +2,9 @@
 
 Written at once on joining, then every third of its duration (liveness); when we start
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
-operator did not project; at once for a theft, or when a peer joins, if there is anything
-to tell; every `TELL_MAX` untold claims. Left on `close`, telling what is left to tell.
+operator did not project; at once for a theft, when a peer joins, when we move to a lower
+band or have to wait, if there is anything to tell; every `TELL_MAX` untold claims. Left on
+`close`, telling what is left to tell.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Membership:
         self._holder = holder
         self._holding = holding
         self._untold: dict[str, None] = {}  # claims to tell of, in order
+        self._untold_top = 0  # the highest priority among them
         self._urgent = False  # tell now
         self._claimed_at = -math.inf  # our last claim (monotonic)
         self._claiming = False  # what our next write says
@@ -57,23 +59,37 @@ class Membership:
     def start(self) -> None:
         self._thread.start()
 
-    def took(self, name: str, *, created: bool, stolen: bool) -> None:
-        """We claimed `name`. A claim of a free Lease told our peers itself (the Lease left their
-        watch); one that `created` its Lease is told by the operator's projection of the Task or,
-        failing that, by us when we stop claiming (until then our peers leave our share to us);
-        at once if we `stole` it from another member, whose other thieves hold back only briefly."""
+    def took(self, name: str, *, created: bool, stolen: bool, priority: int = 0) -> None:
+        """We claimed `name`, of band `priority`. A claim of a free Lease told our peers itself
+        (the Lease left their watch); one that `created` its Lease is told by the operator's
+        projection of the Task or, failing that, by us when we stop claiming (until then our
+        peers leave our share to us); at once if we `stole` it from another member, whose other
+        thieves hold back only briefly, or if we moved to a lower band than one we took untold
+        (our peers hold their lower bands back for it)."""
         with self._wake:
             self._claimed_at = time.monotonic()
-            # The thread wakes only for a write due now: the first claim says we claim, a theft
-            # or a full list tells. Waking it for every claim cost a thread switch per task.
-            sooner = not self._claiming
+            # The thread wakes only for a write due now: the first claim says we claim, a theft,
+            # a lower band or a full list tells. Waking it for every claim cost a thread switch
+            # per task.
+            urgent = stolen or (bool(self._untold) and priority < self._untold_top)
+            sooner = not self._claiming or (urgent and not self._urgent)
             self._claiming = True
+            self._urgent = self._urgent or urgent
             if created:
+                self._untold_top = max(self._untold_top, priority) if self._untold else priority
                 self._untold[name] = None
-                sooner = sooner or (stolen and not self._urgent) or len(self._untold) == TELL_MAX
-                self._urgent = self._urgent or stolen
+                sooner = sooner or len(self._untold) == TELL_MAX
             if sooner:
                 self._wake.notify()
+
+    def waiting(self) -> None:
+        """We found nothing to claim now: a peer may be holding its lower bands back for a task
+        we took untold (strict priority), or waiting for us to stop claiming."""
+        if self._untold:
+            with self._wake:
+                if self._untold and not self._urgent:
+                    self._urgent = True
+                    self._wake.notify()
 
     def seen(self, kind: str, task: JSON) -> None:
         """A Task event of our queue (every agent of it sees the same): a task projected

@@ -598,6 +598,7 @@ class Agent:
                 # Round after round lost: our picture is behind. Let the watch catch up (the
                 # winners' writes are on their way) instead of spinning on stale candidates.
                 rounds_lost, wait = 0, _CATCH_UP_S
+            member.waiting()  # our peers may be waiting for what we took untold
             if give_up is not None:
                 wait = min(wait, give_up - time.monotonic())
                 if wait <= 0:
@@ -784,7 +785,7 @@ class Agent:
                 continue
             # Ours now: no watch of ours will show it (it is not free). Our peers: see `Membership.took`.
             view.mark_taken(task.name, rec)
-            member.took(task.name, created=rec is None, stolen=not ours)
+            member.took(task.name, created=rec is None, stolen=not ours, priority=task.spec.priority)
             claimed = self._claimed(task, held, interrupt=interrupt)
             self._claims.add(claimed)
             return claimed, lost, candidates[i + 1:]

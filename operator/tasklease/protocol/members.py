@@ -9,12 +9,15 @@ than the task's own writes). Instead each agent at work keeps a member Lease of 
 - `holderIdentity`: the agent; none means it left.
 - `tasklease.dev/claiming`: "true" while it is taking its own tasks (it claimed within
   `QUIET_S`): its peers leave its share to it, and need not hear of each claim it makes.
+  A task its peers leave to it holds back their lower bands (strict priority): it tells
+  at once when it moves to a lower band than a claim it has not told, or has to wait.
 - `tasklease.dev/took`: tasks it claimed by creating their Lease (which its peers do not
   watch) and had not told of yet, nor seen the operator tell of (a Task projected Running,
   or finished, is known taken to every agent). A member tells when it stops claiming, when
   it leaves, at once for a task it took from another member, when a peer joins (its share
-  moves to the newcomer in part), and every `TELL_MAX` claims: not once per claim, nor once
-  a second while it claims, which at 16 agents cost more than the tasks' own writes.
+  moves to the newcomer in part), as above, and every `TELL_MAX` claims: not once per
+  claim, nor once a second while it claims, which at 16 agents cost more than the tasks'
+  own writes.
 - `tasklease.dev/holding`: how many leases it holds: a thief takes from busy agents first.
 - `leaseDurationSeconds`: a member not seen written for that long is gone.
 
@@ -42,8 +45,9 @@ ANN_CLAIMING: Final = "tasklease.dev/claiming"
 ANN_HOLDING: Final = "tasklease.dev/holding"
 DURATION_S: Final = 10
 # A member that claimed nothing for this long stops claiming: it tells what it took, and its
-# peers may take its share (long work keeps it away, or it has stopped).
-QUIET_S: Final = 1.0
+# peers may take its share (long work keeps it away, or it has stopped). Longer than most
+# tasks: a member doing tasks of a few seconds stays claiming, and writes nothing per task.
+QUIET_S: Final = 5.0
 # A claiming member tells once it has this many untold claims: its annotation stays small.
 TELL_MAX: Final = 256
 
@@ -58,7 +62,8 @@ def retire(kube: Kube, lease: JSON) -> None:
     claims no more until its Lease runs out. Conflict if it was written meanwhile."""
     meta = lease["metadata"]
     kube.merge_patch(LEASES, meta["name"], {
-        "metadata": {"resourceVersion": meta["resourceVersion"], "annotations": {ANN_CLAIMING: "false"}},
+        "metadata": {"resourceVersion": meta["resourceVersion"],
+                     "annotations": {ANN_CLAIMING: "false", ANN_TOOK: "[]", ANN_HOLDING: "0"}},
         "spec": {"holderIdentity": None}}, namespace=meta["namespace"], timeout=5)
 
 
