@@ -458,7 +458,7 @@ def test_a_band_left_to_a_claiming_peer_holds_our_lower_bands_back(kube: Kube) -
     view._on_task("ADDED", task(urgent[0], 10))
     view._on_task("ADDED", task(low, 0))
     candidates, division = view.choose("me/x", now_utc(), window=8)
-    assert candidates == [] and division.wait_s > 0  # not ours, and nothing lower while it is open
+    assert candidates == [] and division.wait_s > 0 and division.held_back  # nothing lower while it is open
     generation = view.generation()
     view._on_member("MODIFIED", said("true", took=f'["{urgent[0]}"]'))  # it took it, and says so
     assert view.generation() > generation  # a claimer held back wakes up
@@ -474,9 +474,9 @@ def test_a_band_left_to_a_claiming_peer_holds_our_lower_bands_back(kube: Kube) -
     assert [t.name for t, _ in candidates] == [urgent[1]] and division.owner is Owner.IDLE
 
 
-def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_has_to_wait(kube: Kube) -> None:
+def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_is_held_back(kube: Kube) -> None:
     """Its peers hold their lower bands back while a task of a higher band may be open: a
-    member that moves to a lower band, or finds nothing to claim, tells what it took."""
+    member that moves to a lower band, or is held back from one itself, tells what it took."""
     said: list[members.Member] = []
     tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector("bands"),
                       listener=lambda kind, obj: said.append(members.decode(obj)), keep_objects=False)
@@ -491,8 +491,8 @@ def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_has_to_wai
         first = next(m for m in said if m.took)
         assert first.took[0] == "b-1" and first.claiming  # still claiming: not the stop's write
         member.took("b-3", created=True, stolen=False, priority=0)
-        member.waiting()
-        wait_for(lambda: any("b-3" in m.took for m in said), message="the claim told on waiting")
+        member.held_back()
+        wait_for(lambda: any("b-3" in m.took for m in said), message="the claim told when held back")
         assert next(m for m in said if "b-3" in m.took).claiming
         assert member.writes.told == 2
     finally:

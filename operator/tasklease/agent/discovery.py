@@ -129,6 +129,7 @@ class Division:
     # When none may be taken now: how soon to look again (a new task ripens, `_RIPE_S`, or a
     # claiming owner would be gone, were it silent), unless something changes first.
     wait_s: float = 0.0
+    held_back: bool = False  # none may be taken: a higher band is left to claiming peers
 
 
 def divide(me: str, names: list[str], owners: Callable[[str], Ownership], busy: Collection[str] = ()) -> Division:
@@ -366,7 +367,8 @@ class QueueView:
                     # one of theirs (strict priority): look again when the first of them would be
                     # gone, were it silent (one that tells, stops claiming or leaves wakes us).
                     wait = min(claiming.values()) - now if self._parked and claiming else timedelta(0)
-                    return [], Division(names=[], ours=0, owner=None, wait_s=max(wait.total_seconds(), 0.0))
+                    return [], Division(names=[], ours=0, owner=None, wait_s=max(wait.total_seconds(), 0.0),
+                                        held_back=bool(names))
                 # Kept across looks (each starts shallow again, and a deep one needs the owners of
                 # all it passes); bounded, as taken tasks leave their entries behind.
                 if len(self._owners) + len(self._ours) > _OWNERS_KEPT:

@@ -3,7 +3,7 @@
 Written at once on joining, then every third of its duration (liveness); when we start
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
 operator did not project; at once for a theft, when a peer joins, when we move to a lower
-band or have to wait, if there is anything to tell; every `TELL_MAX` untold claims. Left on
+band or are held back from one, if there is anything to tell; every `TELL_MAX` untold claims. Left on
 `close`, telling what is left to tell.
 """
 
@@ -82,9 +82,9 @@ class Membership:
             if sooner:
                 self._wake.notify()
 
-    def waiting(self) -> None:
-        """We found nothing to claim now: a peer may be holding its lower bands back for a task
-        we took untold (strict priority), or waiting for us to stop claiming."""
+    def held_back(self) -> None:
+        """We may claim nothing now: a higher band is left to claiming peers (strict priority).
+        They are likely held back likewise, by what we took untold: tell it."""
         if self._untold:
             with self._wake:
                 if self._untold and not self._urgent:

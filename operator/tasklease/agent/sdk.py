@@ -583,7 +583,7 @@ class Agent:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            candidates, recheck, ours = self._kept(view, since) or self._pick(view, stop)
+            candidates, recheck, ours = self._kept(view, since) or self._pick(view, member, stop)
             claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
             if claimed is not None:
                 if rest and ours:
@@ -598,7 +598,6 @@ class Agent:
                 # Round after round lost: our picture is behind. Let the watch catch up (the
                 # winners' writes are on their way) instead of spinning on stale candidates.
                 rounds_lost, wait = 0, _CATCH_UP_S
-            member.waiting()  # our peers may be waiting for what we took untold
             if give_up is not None:
                 wait = min(wait, give_up - time.monotonic())
                 if wait <= 0:
@@ -744,7 +743,8 @@ class Agent:
         candidates = view.still(kept[1], timestamps.now_utc())
         return (candidates, _RECHECK_S, True) if candidates else None
 
-    def _pick(self, view: QueueView, stop: threading.Event | None) -> tuple[list[Candidate], float, bool]:
+    def _pick(self, view: QueueView, member: Membership,
+              stop: threading.Event | None) -> tuple[list[Candidate], float, bool]:
         """What to try now, how long to wait before looking again if none of it is won, and
         whether it is ours (not a thief's pick)."""
         candidates, division = self._look(view)
@@ -759,6 +759,8 @@ class Agent:
             elif stop.wait(pause):
                 raise errors.NothingToClaim("stopped")
             candidates, division = self._look(view)
+        if division.held_back:
+            member.held_back()  # our peers are likely held back by what we took untold
         if division.wait_s:
             # All that is left belongs to agents that are claiming (they take it themselves), or
             # is others' and new (their owners may have it already). Look again when that may

@@ -10,7 +10,7 @@ than the task's own writes). Instead each agent at work keeps a member Lease of 
 - `tasklease.dev/claiming`: "true" while it is taking its own tasks (it claimed within
   `QUIET_S`): its peers leave its share to it, and need not hear of each claim it makes.
   A task its peers leave to it holds back their lower bands (strict priority): it tells
-  at once when it moves to a lower band than a claim it has not told, or has to wait.
+  at once when it moves to a lower band than a claim it has not told, or is held back.
 - `tasklease.dev/took`: tasks it claimed by creating their Lease (which its peers do not
   watch) and had not told of yet, nor seen the operator tell of (a Task projected Running,
   or finished, is known taken to every agent). A member tells when it stops claiming, when
