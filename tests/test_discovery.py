@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -413,17 +415,28 @@ def test_an_agent_that_joins_is_a_member_to_its_peers_before_it_claims(kube: Kub
         peer.stop()
 
 
+@contextlib.contextmanager
+def _member_heard(kube: Kube, queue: str, holder: str,
+                  holding: int) -> Iterator[tuple[Membership, list[members.Member]]]:
+    """A Membership of `holder` in `queue`, started, and every write of it as its peers hear it."""
+    said: list[members.Member] = []
+    tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector(queue),
+                      listener=lambda kind, obj: said.append(members.decode(obj)), keep_objects=False)
+    tells.start()
+    member = Membership(MemberLease(kube, namespace=kube.namespace, queue=queue, holder=holder),
+                        holder=holder, holding=lambda: holding)
+    member.start()
+    try:
+        yield member, said
+    finally:
+        member.close()
+        tells.stop()
+
+
 def test_a_claiming_member_tells_what_it_took_at_once_when_a_peer_joins(kube: Kube) -> None:
     """A newcomer takes part of every member's share, and would race for what a claiming
     member took and has not told: the member tells it at once, and goes on claiming."""
-    said: list[members.Member] = []
-    tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector("joins"),
-                      listener=lambda kind, obj: said.append(members.decode(obj)), keep_objects=False)
-    tells.start()
-    member = Membership(MemberLease(kube, namespace=kube.namespace, queue="joins", holder="old/x"),
-                        holder="old/x", holding=lambda: 2)
-    member.start()
-    try:
+    with _member_heard(kube, "joins", "old/x", 2) as (member, said):
         member.took("j-1", created=True, stolen=False)
         member.took("j-2", created=True, stolen=False)
         member.joined("new/x")
@@ -432,9 +445,6 @@ def test_a_claiming_member_tells_what_it_took_at_once_when_a_peer_joins(kube: Ku
         # Told while claiming (`QUIET_S` had not passed): the join's write, not the stop's.
         assert first.took == ("j-1", "j-2") and first.claiming and first.holding == 2
         assert member.writes.told == 1
-    finally:
-        member.close()
-        tells.stop()
 
 
 def test_a_band_left_to_a_claiming_peer_holds_our_lower_bands_back(kube: Kube) -> None:
@@ -477,14 +487,7 @@ def test_a_band_left_to_a_claiming_peer_holds_our_lower_bands_back(kube: Kube) -
 def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_is_held_back(kube: Kube) -> None:
     """Its peers hold their lower bands back while a task of a higher band may be open: a
     member that moves to a lower band, or is held back from one itself, tells what it took."""
-    said: list[members.Member] = []
-    tells = Reflector(kube, LEASES, namespace=kube.namespace, label_selector=members.selector("bands"),
-                      listener=lambda kind, obj: said.append(members.decode(obj)), keep_objects=False)
-    tells.start()
-    member = Membership(MemberLease(kube, namespace=kube.namespace, queue="bands", holder="m/x"),
-                        holder="m/x", holding=lambda: 1)
-    member.start()
-    try:
+    with _member_heard(kube, "bands", "m/x", 1) as (member, said):
         member.took("b-1", created=True, stolen=False, priority=10)
         member.took("b-2", created=True, stolen=False, priority=0)  # down a band
         wait_for(lambda: any(m.took for m in said), message="the first claims told")
@@ -495,6 +498,3 @@ def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_is_held_ba
         wait_for(lambda: any("b-3" in m.took for m in said), message="the claim told when held back")
         assert next(m for m in said if "b-3" in m.took).claiming
         assert member.writes.told == 2
-    finally:
-        member.close()
-        tells.stop()
