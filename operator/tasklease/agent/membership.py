@@ -3,8 +3,8 @@
 Written at once on joining, then every third of its duration (liveness); when we start
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
 operator did not project; at once for a theft, when a peer joins, when we move to a lower
-band or are held back from one, if there is anything to tell; every `TELL_MAX` untold claims. Left on
-`close`, telling what is left to tell.
+band or are held back from one, if there is anything to tell; every `TELL_MAX` untold
+claims. Left on `close`, telling what is left to tell.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ class Membership:
 
     def _next(self, *, leaving: bool) -> tuple[list[str], bool]:
         """Caller holds the lock. What the write about to be made says: the claims it tells of,
-        and whether we claim. All of them once we stopped claiming (or are `leaving`), or one
-        was stolen, or they are many; none while we claim (our peers leave our share to us)."""
+        and whether we claim. All of them once we stopped claiming (or are `leaving`), or it is
+        urgent (a theft, a join, a lower band), or they are many; none while we claim (our
+        peers leave our share to us)."""
         self._claiming = self._claiming and not leaving and time.monotonic() - self._claimed_at < QUIET_S
         if not (self._urgent or not self._claiming or len(self._untold) >= TELL_MAX):
             return [], True
