@@ -72,7 +72,13 @@ class Conflict(TaskleaseError):
 
 
 class Gone(TaskleaseError):
-    """410: a watch asked for a resourceVersion the server no longer keeps: list again."""
+    """410: a watch asked for a resourceVersion the server no longer keeps: list again. A
+    paginated list whose snapshot was compacted part-way answers 410 too, with `resume`: a
+    continue token for the rest of the list at the server's current version."""
+
+    def __init__(self, message: str, *, resume: str = "") -> None:
+        super().__init__(message)
+        self.resume = resume
 
 
 class ServerError(TaskleaseError):

@@ -8,6 +8,7 @@ listens on 127.0.0.1; all state lives in one work directory, so several clusters
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -366,8 +367,10 @@ def _openssl(*args: object) -> None:
 
 def compact_etcd(etcd_port: int) -> int:
     """Compact etcd's history up to its current revision (through etcd's HTTP gateway) and
-    return that revision: a watch of an uncached resource from an older resourceVersion then
-    gets 410 Gone, as on a long-running cluster whose history moved on."""
+    return that revision, as the API server does every five minutes: a watch of an uncached
+    resource from an older resourceVersion then gets 410 Gone, and so does a paginated list
+    that began before (the API server hears of it through `compact_rev_key`, as of its own
+    compactions, and its watch cache drops the older list snapshots within 15 s)."""
     def call(path: str, body: dict[str, object]) -> dict[str, Any]:
         request = urllib.request.Request(f"http://127.0.0.1:{etcd_port}/v3/kv/{path}", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
@@ -375,7 +378,11 @@ def compact_etcd(etcd_port: int) -> int:
             answer: dict[str, Any] = json.load(resp)
             return answer
 
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
     revision = int(call("range", {"key": "AA=="})["header"]["revision"])  # any key: the header has the revision
+    call("put", {"key": b64("compact_rev_key"), "value": b64(str(revision))})
     call("compaction", {"revision": revision, "physical": True})
     return revision
 

@@ -123,9 +123,9 @@ class Kube:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise errors.Unreachable(f"cannot reach the Kubernetes API server: {_short(exc)}") from None
         if resp.status >= 400:
-            message = _message(resp.data)
+            data = resp.data
             resp.release_conn()
-            raise _error_for(resp.status, message, path=path)
+            raise _error_for(resp.status, data, path=path)
         return resp
 
     def get(self, res: Resource, name: str, *, namespace: str | None = None, timeout: float = 30) -> JSON:
@@ -156,12 +156,15 @@ class Kube:
 
     def list_pages(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
                    label_selector: str = "", field_selector: str = "", limit: int = _PAGE,
-                   timeout: float = 30) -> Iterator[JSON]:
+                   timeout: float = 30, start: str = "") -> Iterator[JSON]:
         """A LIST in pages of at most `limit` objects (`limit`/`continue`), all from one snapshot:
         the server never builds, and we never hold, one answer for a whole large queue. A
-        continue token that expired mid-way raises Gone: start over."""
+        snapshot compacted mid-way raises Gone, whose `resume` lists the rest when passed as
+        `start` (a continue token to begin from)."""
         ns = None if all_namespaces else (namespace or self.namespace)
         query: dict[str, Any] = {**_selectors(label_selector, field_selector), "limit": limit}
+        if start:
+            query["continue"] = start
         while True:
             page = self.request("GET", res.path(ns), query=query, timeout=timeout)
             yield page
@@ -211,7 +214,8 @@ class Kube:
             resp.release_conn()
 
 
-def _error_for(status: int, message: str, *, path: str) -> errors.TaskleaseError:
+def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:
+    message = _message(body)
     if status == 409:
         return errors.Conflict(message)
     if status == 404:
@@ -226,7 +230,7 @@ def _error_for(status: int, message: str, *, path: str) -> errors.TaskleaseError
     if status in (400, 422):
         return errors.Invalid(message)
     if status == 410:
-        return errors.Gone(message)
+        return errors.Gone(message, resume=_status(body).get("metadata", {}).get("continue", ""))
     if status == 429 or status >= 500:
         return errors.ServerError(f"{status}: {message}")
     return errors.TaskleaseError(f"{status}: {message}")
@@ -241,12 +245,17 @@ def _selectors(label_selector: str, field_selector: str) -> dict[str, str]:
     return query
 
 
-def _message(body: Any) -> str:
-    text = body.decode(errors="replace") if isinstance(body, bytes) else str(body or "")
+def _message(body: bytes) -> str:
+    return str(_status(body).get("message") or body.decode(errors="replace").strip())
+
+
+def _status(body: bytes) -> JSON:
+    """The Status object an error answer carries; empty when it carries none (a proxy's page)."""
     try:
-        return str(json.loads(text).get("message", text))
-    except (TypeError, ValueError, AttributeError):
-        return text.strip()
+        status = json.loads(body)
+    except ValueError:
+        return {}
+    return status if isinstance(status, dict) else {}
 
 
 def _short(exc: BaseException) -> str:

@@ -3,7 +3,8 @@
 A restarted watch asks for the last resourceVersion it saw, so nothing that happened
 while it reconnected is missed; when the server no longer has that version (410 Gone)
 it lists again and reports what disappeared meanwhile as deletions. Lists are paginated
-(`limit`/`continue`): a large queue never arrives as one huge answer. Failures are retried
+(`limit`/`continue`): a large queue never arrives as one huge answer; one that outlives
+its snapshot goes on at the server's current version (see `_relist`). Failures are retried
 with capped exponential backoff (`api.retry.Backoff`); only a 410 relists, and a permanent
 error (no rights, no CRD) stops the thread with `error` set, logged once.
 """
@@ -50,6 +51,7 @@ class Reflector:
         self.lists = 0  # full LISTs made: one at start, one more per 410 Gone
         self.watches = 0  # watch requests made: one more each time a stream ends
         self.pages = 0  # LIST pages received: a long first list shows its progress here
+        self.resumed = 0  # lists that outlived their snapshot and went on at a newer version
         self._stop = threading.Event()
         self._rv = since
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
@@ -93,21 +95,38 @@ class Reflector:
 
     def _relist(self) -> None:
         seen: set[str] = set()
-        rv = ""
-        for page in self.kube.list_pages(self.resource, namespace=self.namespace, all_namespaces=self.namespace is None,
-                                         limit=self.page_size, label_selector=self.label_selector,
-                                         field_selector=self.field_selector):
-            for obj in page.get("items", []):
-                name = self._name(obj)
-                seen.add(name)
-                self._keep(name, obj)
-                self._deliver("ADDED", obj)
-            rv = page["metadata"]["resourceVersion"]  # every page carries the list's snapshot version
-            self.pages += 1
+        since, start = "", ""
+        while True:
+            try:
+                for page in self.kube.list_pages(self.resource, namespace=self.namespace,
+                                                 all_namespaces=self.namespace is None, limit=self.page_size,
+                                                 label_selector=self.label_selector,
+                                                 field_selector=self.field_selector, start=start):
+                    for obj in page.get("items", []):
+                        name = self._name(obj)
+                        seen.add(name)
+                        self._keep(name, obj)
+                        self._deliver("ADDED", obj)
+                    since = since or page["metadata"]["resourceVersion"]
+                    self.pages += 1
+                break
+            except errors.Gone as exc:
+                if not exc.resume:
+                    raise
+                # The list outlived its snapshot (etcd compacts every few minutes; a deep queue
+                # that many agents list at once takes longer). Starting over could fail the same
+                # way for ever: the rest is listed at the server's current version instead, and
+                # the watch starts from the first page's version, so it brings every change since
+                # to what was listed before as after (older news for an object listed later is
+                # followed by the news it was listed with).
+                log.info("the list of %s outlived its snapshot after %d objects; listing the rest as they are now",
+                         self.resource.plural, len(seen))
+                self.resumed += 1
+                start = exc.resume
         self.lists += 1
         for name in set(self.store) - seen:
             self._deliver("DELETED", self.store.pop(name))
-        self._rv = rv
+        self._rv = since
         self.error = None
         self.synced.set()
 
