@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cli-depth", type=int, default=10000, help="open tasks for the one-shot claim case")
     parser.add_argument("--full", nargs="?", type=int, const=100000, default=0, metavar="N",
                         help="also create N tasks (default 100,000) and drain them all with the operator on and "
-                        "the most agents of --agents (adds about 40 minutes on 2 cores)")
+                        "the most agents of --agents (adds 35-65 minutes on 2 cores)")
     parser.add_argument("--pairs", type=int, default=7,
                         help="SDK and raw floor cases run this many times at each agent count, in pairs "
                         "made ready together and run back to back (order alternating); SDK ÷ raw is the "
