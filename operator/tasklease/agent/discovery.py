@@ -22,11 +22,10 @@ import enum
 import hashlib
 import heapq
 import json
-from collections import Counter
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta

@@ -62,9 +62,14 @@ def retire(kube: Kube, lease: JSON) -> None:
     claims no more until its Lease runs out. Conflict if it was written meanwhile."""
     meta = lease["metadata"]
     kube.merge_patch(LEASES, meta["name"], {
-        "metadata": {"resourceVersion": meta["resourceVersion"],
-                     "annotations": {ANN_CLAIMING: "false", ANN_TOOK: "[]", ANN_HOLDING: "0"}},
+        "metadata": {"resourceVersion": meta["resourceVersion"], "annotations": _annotations([], 0, claiming=False)},
         "spec": {"holderIdentity": None}}, namespace=meta["namespace"], timeout=5)
+
+
+def _annotations(took: list[str], holding: int, *, claiming: bool) -> dict[str, str]:
+    """Every annotation a member Lease carries, every time: a merge patch keeps what it does not name."""
+    return {ANN_TOOK: json.dumps(took, separators=(",", ":")), ANN_HOLDING: str(holding),
+            ANN_CLAIMING: "true" if claiming else "false"}
 
 
 def lease_name(queue: str, holder: str) -> str:
@@ -143,10 +148,8 @@ class MemberLease:
                                                timeout=5)["metadata"]["resourceVersion"]
 
     def _body(self, took: list[str], holding: int, *, claiming: bool, left: bool) -> JSON:
-        # Every annotation every time: a merge patch keeps what it does not name.
         meta: JSON = {"name": self.name, "labels": {LABEL_AGENT_OF: label_value(self._queue)},
-                      "annotations": {ANN_TOOK: json.dumps(took, separators=(",", ":")), ANN_HOLDING: str(holding),
-                                      ANN_CLAIMING: "true" if claiming and not left else "false"}}
+                      "annotations": _annotations(took, holding, claiming=claiming and not left)}
         if self._pod is not None:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self._pod[0], "uid": self._pod[1],
                                         "blockOwnerDeletion": False}]
