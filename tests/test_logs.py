@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from conftest import Operator
+from test_chart import CHART, _helm, by_kind, render
 from tasklease.operator.logs import JsonFormatter
 
 
@@ -34,3 +35,12 @@ def test_the_operator_logs_json_lines(operator_factory: Callable[..., Operator])
         parsed = json.loads(line)
         assert {"time", "level", "logger", "message"} <= parsed.keys(), line
     assert any(json.loads(line)["logger"] == "tasklease.operator" for line in lines)
+
+
+def test_the_chart_passes_the_log_format_and_refuses_an_unknown_one() -> None:
+    def args(*sets: str) -> list[str]:
+        return list(by_kind(render(*sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert not [a for a in args() if a.startswith("--log-format")]
+    assert "--log-format=json" in args("operator.logFormat=json")
+    done = _helm("template", "rel", str(CHART), "--set", "operator.logFormat=xml")
+    assert done.returncode != 0 and "logFormat" in done.stderr, done.stderr

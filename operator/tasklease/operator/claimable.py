@@ -1,9 +1,10 @@
-"""Which Pending tasks an agent could claim now, by the operator's clock: the input of
-`tasklease_claimable_tasks` and `tasklease_oldest_claimable_seconds`.
+"""Which Pending tasks an agent could claim now, by the operator's clock.
+
+The input of `tasklease_claimable_tasks` and `tasklease_oldest_claimable_seconds`.
 
 `tasklease_tasks{phase="Pending"}` also counts tasks backing off after a failed attempt and
-tasks whose spec.notBefore is still ahead; an autoscaler wants only those work is waiting
-on. The rule is the agents' own (`rules.blocker`), asked for the moment the waits end, so a
+tasks whose spec.notBefore is still ahead; an autoscaler wants only the tasks an agent
+could start now. The rule is the agents' own (`rules.blocker`), asked for the moment the waits end, so a
 backoff that ends between two events counts as soon as it ends, with no reconcile.
 
 Only tasks that are not simply claimable since their creation are remembered (a Lease from
