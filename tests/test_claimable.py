@@ -1,12 +1,18 @@
-"""The claimable-now gauges' rule (`operator.claimable`), with pinned times: backoff and a
+"""The claimable-now gauges (`operator.claimable`): the rule with pinned times (backoff and a
 delayed start end by the clock alone; held, closed and spent tasks never count; ages run
-from the moment a task became claimable."""
+from the moment a task became claimable), then a real operator's gauge across a backoff."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
-from tasklease.api import models
+from conftest import Cluster, Operator, make_task, tasklease_cmd, wait_for
+from tasklease.api import models, timestamps
+from tasklease.kube import TASKS
 from tasklease.operator.claimable import Waits, claimable_by_waiting, waits_end
 from tasklease.protocol import LeaseRecord, TaskView
 
@@ -69,3 +75,33 @@ def test_per_queue_counts_only_tasks_claimable_at_that_moment_and_ages_them_from
     waits.note("backoff", _view("backoff"), _lease("backoff", holder="pod/2"), pending=False, now=_at(60))
     waits.forget("later")
     assert waits._by_key.keys() == {"released", "held"}
+
+
+def test_a_task_backing_off_is_pending_but_claimable_only_once_its_backoff_ends(
+        cluster: Cluster, namespace: str, operator: Operator, tmp_path: Path) -> None:
+    kube = cluster.kube(namespace)
+    make_task(kube, "flaky", queue="flaky", backoff={"initialSeconds": 10, "maxSeconds": 10})
+    where = f'namespace="{namespace}",queue="flaky"'
+
+    def value(series: str) -> float | None:
+        for line in operator.get("/metrics")[1].splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+    wait_for(lambda: value(f"tasklease_claimable_tasks{{{where}}}") == 1.0, message="the new task claimable")
+    config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+    ran = subprocess.run(tasklease_cmd("run", "--queue", "flaky", "--", "false"), capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "KUBECONFIG": str(config)})
+    assert ran.returncode != 0
+    failed_at = time.monotonic()
+    pending = f'tasklease_tasks{{namespace="{namespace}",phase="Pending",queue="flaky"}}'
+    wait_for(lambda: value(pending) == 1.0 and value(f"tasklease_claimable_tasks{{{where}}}") == 0.0,
+             message="pending, backing off, not claimable")
+    assert time.monotonic() - failed_at < 10, "the backoff ended before the check: the machine is too slow"
+    status = kube.get(TASKS, "flaky")["status"]
+    assert status["reason"] == "BackingOff", status
+    backoff_end = timestamps.parse_time(status["notBefore"])
+    wait_for(lambda: value(f"tasklease_claimable_tasks{{{where}}}") == 1.0, timeout=30,
+             message="claimable once the backoff ended")
+    assert backoff_end is not None and datetime.now(UTC) >= backoff_end  # the operator and we share a clock
+    assert 0 <= value(f"tasklease_oldest_claimable_seconds{{{where}}}") < 5  # type: ignore[operator]
