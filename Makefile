@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease.dev
 
-.PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench chaos generate clean
+.PHONY: help venv build prometheus cluster cluster-down node node-down e2e lint test demo bench chaos generate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -20,6 +20,11 @@ venv: $(STAMP) ## create the virtualenv and install tasklease with its test extr
 
 build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (and helm) once, cached outside the clone
 	$(LOCAL) build
+
+prometheus: ## Prometheus and promtool (Debian's package) for the alert and dashboard tests, unless on the PATH
+	command -v promtool >/dev/null && command -v prometheus >/dev/null || { apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; } || \
+	  echo "make prometheus: could not install Debian's prometheus package; the tests that need it will skip"
 
 cluster: build ## start the local control plane on 127.0.0.1 and apply crds/
 	$(LOCAL) up
@@ -46,7 +51,7 @@ lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
+test: build lint prometheus ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
 	$(PY) -m pytest --ignore=tests/test_node_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
 

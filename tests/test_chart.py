@@ -41,14 +41,14 @@ def test_the_schema_rejects_typos_and_wrong_types(bad: str) -> None:
 
 
 def test_every_object_and_pod_template_carries_the_standard_labels() -> None:
-    docs = render("metrics.serviceMonitor.enabled=true")
+    docs = render("metrics.serviceMonitor.enabled=true", "prometheusRule.enabled=true", "keda.enabled=true")
     wanted = {"helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
               "app.kubernetes.io/managed-by"}
     for doc in docs:
         assert wanted <= set(doc["metadata"].get("labels", {})), f"{doc['kind']}/{doc['metadata']['name']}"
     pod = by_kind(docs, "Deployment")[0]["spec"]["template"]
     assert wanted <= set(pod["metadata"]["labels"])
-    assert by_kind(docs, "ServiceMonitor")
+    assert by_kind(docs, "ServiceMonitor") and by_kind(docs, "PrometheusRule") and by_kind(docs, "ScaledObject")
 
 
 def test_pods_are_restricted_with_seccomp_and_a_group() -> None:

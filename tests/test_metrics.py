@@ -137,6 +137,7 @@ def test_the_opt_in_dashboard_only_queries_metrics_the_operator_exports() -> Non
     metrics.known_queue("ns", "q")  # labelled metrics show samples once a queue is known
     metrics.STATUS_WRITES.labels("ok")
     metrics.OLDEST_PENDING.source = lambda: [("ns", "q", 0.0)]
+    metrics.CLAIMABLE.source = lambda: [("ns", "q", 0, 0.0)]
     exported = {s.name for family in metrics.REGISTRY.collect() for s in family.samples}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {m for e in exprs for m in re.findall(r"\btasklease_[a-z_]+", e)}

@@ -8,7 +8,6 @@ The commands live by concern: `tasks` (submit, list, get, ...), `work` (claim ..
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import logging
 import os
 import sys
@@ -16,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tasklease.api import errors, models
+from tasklease.api.build import version
 from tasklease.cli import output
 from tasklease.cli.common import first_line, kube_of
 from tasklease.cli.tasks import cmd_cancel, cmd_describe, cmd_get, cmd_list, cmd_requeue, cmd_retry, cmd_submit
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tasklease", description="Give every unit of work exactly one current owner, on Kubernetes.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"tasklease {_version()}")
+    parser.add_argument("--version", action="version", version=f"tasklease {version()}")
     _add_common(parser, sub=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -220,13 +220,6 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("tasklease")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _env_int(name: str) -> int | None:

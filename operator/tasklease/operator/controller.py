@@ -42,7 +42,7 @@ from typing import Any
 import kopf
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tasklease.operator import metrics
+from tasklease.operator import logs, metrics
 from tasklease.protocol import record
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.watching import Reflector
@@ -57,6 +57,7 @@ AGENT_POD_SELECTOR = "tasklease.dev/agent=true"
 
 
 def run_operator(args: argparse.Namespace) -> int:
+    logs.use_format(args.log_format)
     validate(args)
     # Until kopf installs its own handler (and between its restarts) SIGTERM still means a
     # clean exit 0 through the `finally` below, not death by signal.

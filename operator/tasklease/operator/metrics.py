@@ -8,13 +8,16 @@ the operator first sees a task of it (`known_queue`), so rates and alerts work f
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterable
+from importlib import metadata
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tasklease.api.build import version
 from tasklease.api.models import Phase
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -46,8 +49,10 @@ TIME_TO_REQUEUE = Histogram(
     "tasklease_time_to_requeue_seconds",
     "From the last change of an abandoned lease (as observed) to its expiry write.", ["cause"],
     buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=REGISTRY)
-STATUS_WRITES = Counter("tasklease_status_writes_total", "Task status writes, by result.", ["result"],
-                        registry=REGISTRY)
+STATUS_WRITES = Counter("tasklease_status_writes_total", "Task status writes, by result (ok, conflict, error).",
+                        ["result"], registry=REGISTRY)
+for _result in ("ok", "conflict", "error"):
+    STATUS_WRITES.labels(_result)  # at zero from the start: the projection-failing alert divides by them
 EVENTS_POSTED = Counter("tasklease_events_posted_total", "Events posted on Tasks.", registry=REGISTRY)
 LEADER = Gauge("tasklease_operator_leader", "1 while this replica is the active one.", registry=REGISTRY)
 PENDING_WORK = Gauge("tasklease_operator_queue_depth", "Tasks waiting to be reconciled.", registry=REGISTRY)
@@ -90,3 +95,43 @@ class _OldestPendingCollector(Collector):
 
 OLDEST_PENDING = _OldestPendingCollector()
 REGISTRY.register(OLDEST_PENDING)
+
+
+Claimable = Callable[[], Iterable[tuple[str, str, int, float]]]
+
+
+class _ClaimableCollector(Collector):
+    """`tasklease_claimable_tasks` and `tasklease_oldest_claimable_seconds`, computed at scrape
+    time (`operator.claimable`): a backoff or a delayed start ends with no event."""
+
+    def __init__(self) -> None:
+        self.source: Claimable = lambda: ()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        count = GaugeMetricFamily("tasklease_claimable_tasks",
+                                  "Pending tasks an agent could claim now (backoff and notBefore passed, "
+                                  "by the operator's clock).", labels=list(QUEUE))
+        oldest = GaugeMetricFamily("tasklease_oldest_claimable_seconds",
+                                   "How long the longest-waiting claimable task of a queue has been claimable "
+                                   "(0 when none is).", labels=list(QUEUE))
+        for namespace, queue, n, age in self.source():
+            count.add_metric([namespace, queue], n)
+            oldest.add_metric([namespace, queue], age)
+        yield count
+        yield oldest
+
+
+CLAIMABLE = _ClaimableCollector()
+REGISTRY.register(CLAIMABLE)
+
+
+def _build_info() -> Gauge:
+    labels = {"version": version(), "python": platform.python_version(),
+              "kopf": metadata.version("kopf"), "kubernetes_client": metadata.version("kubernetes")}
+    info = Gauge("tasklease_build_info", "Always 1; the labels say which build runs.", list(labels),
+                 registry=REGISTRY)
+    info.labels(**labels).set(1)
+    return info
+
+
+BUILD_INFO = _build_info()

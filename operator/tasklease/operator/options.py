@@ -6,6 +6,7 @@ import argparse
 
 from tasklease.api import errors
 from tasklease.operator.expiry import DEFAULT_GRACE_S
+from tasklease.operator.logs import FORMATS
 
 # Reconcile threads. A reconcile mostly waits for its status write: with 2, a loaded API
 # server (50 ms a write) held projection to about 30 tasks/s while 16 agents drained 90/s.
@@ -39,6 +40,9 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
                    help="namespace of the election Lease (default: $POD_NAMESPACE or the kubeconfig's)")
     p.add_argument("--leader-election-lease-duration", type=float, default=15.0,
                    help="seconds a standby waits for a silent leader before taking over (default 15)")
+    p.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="text: one readable line per event (the default); json: one JSON object per line, "
+                        "with time, level, logger and message")
     p.add_argument("--ttl-seconds-after-finished", type=int, metavar="SECONDS",
                    help="delete finished Tasks (and their Leases) this long after they finish, unless their "
                         "spec.ttlSecondsAfterFinished says otherwise; dead-lettered ones are kept (default: keep all)")

@@ -32,6 +32,7 @@ from typing import Any
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, metrics, projection
+from tasklease.operator.claimable import Waits
 from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic, PodsGone
@@ -87,6 +88,8 @@ class Reconciler:
         self._queues: set[tuple[str, str]] = set()  # (namespace, queue) seen: their series exist
         self._cond = threading.Condition()
         metrics.OLDEST_PENDING.source = self.oldest_pending
+        self._waits: Waits[Key] = Waits()  # for the claimable-now gauges
+        metrics.CLAIMABLE.source = self.claimable
 
     # -- intake: called from watch handlers; quick, no I/O --------------------------------
 
@@ -117,6 +120,14 @@ class Reconciler:
                 where = (key[0], queue)
                 oldest[where] = max(oldest.get(where, 0.0), (now - created).total_seconds())
         return [(ns, queue, age) for (ns, queue), age in sorted(oldest.items())]
+
+    def claimable(self) -> list[tuple[str, str, int, float]]:
+        """(namespace, queue, tasks claimable now, seconds the oldest has been) for every known queue."""
+        now = self.clock()
+        with self._cond:
+            pending = ((key, (key[0], queue), task.created) for key, (queue, phase) in self._phases.items()
+                       if phase == Phase.PENDING.value and (task := self._tasks.get(key)) is not None)
+            return self._waits.per_queue(self._queues, pending, now)
 
     def on_lease(self, kind: str, obj: JSON) -> None:
         key = _key(obj)
@@ -398,10 +409,12 @@ class Reconciler:
         """Step 3: write the status if it changed, then tell people what happened. `entry` is
         what `task` was decoded from: our write replaces it only if no event replaced it first."""
         old = models.TaskStatus.model_validate(task.get("status") or {})
-        new = projection.project(task, rec, old=old, now=self.clock())
+        now = self.clock()
+        new = projection.project(task, rec, old=old, now=now)
         queue = entry.queue
         with self._cond:
             self._set_phase(key, (queue, new.phase.value))
+            self._waits.note(key, TaskView.of(task), rec, pending=new.phase is Phase.PENDING, now=now)
         if (task.get("status") and projection.same(old, new)) or projection.unwritten(old, new):
             return
         body = {**task, "status": new.model_dump(mode="json", by_alias=True, exclude_none=True)}
@@ -417,6 +430,9 @@ class Reconciler:
                     self._tasks.pop(key)
                     self._set_phase(key, None)
             return
+        except errors.TaskleaseError:
+            metrics.STATUS_WRITES.labels("error").inc()
+            raise
         metrics.STATUS_WRITES.labels("ok").inc()
         with self._cond:
             # Keep our write only if the watch has not brought anything newer meanwhile
@@ -519,6 +535,8 @@ class Reconciler:
     def _set_phase(self, key: Key, value: tuple[str, str] | None) -> None:
         """Caller holds the lock. Keeps the tasks-by-queue-and-phase gauge exact."""
         before = self._phases.pop(key, None)
+        if value is None:
+            self._waits.forget(key)
         if before is not None:
             metrics.TASKS.labels(key[0], *before).dec()
         if value is not None:
