@@ -434,7 +434,7 @@ def test_a_task_leaving_the_cancel_watch_during_an_outage_is_a_warning_not_a_tra
     """Found by the short chaos run: the API server was killed just as a task left the holder's
     watch, and the check of why (a GET) raised into the watch thread, which logged a traceback."""
     away = Kube.connect(kubeconfig=str(_unreachable(cluster, tmp_path)))
-    follower = _QueueFollower(away, (id(away), "ns", "q"))
+    follower = _QueueFollower(away, ("ns", "q"))
     told: list[str] = []
     follower.watchers["t"] = ("uid-1", told.append)
     with caplog.at_level(logging.WARNING, logger="tasklease.agent.cancel"):

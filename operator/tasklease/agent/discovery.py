@@ -333,6 +333,11 @@ class QueueView:
         for r in self._reflectors:
             r.stop()
 
+    def wake(self) -> None:
+        """Wake every claimer waiting on this view now (its agent is closing)."""
+        with self._changed:
+            self._bump()
+
     @property
     def task_watch(self) -> Reflector:
         """The watch of the queue's open Tasks (identities only in its store)."""
