@@ -216,6 +216,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     if getattr(args, "namespace", None) and not args.namespaces:  # `tasklease -n NS operator`
         args.namespaces = [args.namespace]
+    # kopf reads events with json, which recurses once per level: on 3.11 this limit bounds how
+    # deep a Task it can read (the API server stores up to 10,000 levels). Our process, not a library's.
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 30_000))
     return run_operator(args)
 
 
