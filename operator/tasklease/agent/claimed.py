@@ -22,16 +22,29 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+import pydantic
 
 from tasklease.agent.cancel import Followers, Following
 from tasklease.agent.settings import AgentSettings
 from tasklease.api import errors
-from tasklease.protocol import Held, Protocol
+from tasklease.protocol import Held
 
 log = logging.getLogger(__name__)
 
 OnLost = Callable[["ClaimedTask"], None]
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+class LeaseWriter(Protocol):
+    """The writes a claim makes: `tasklease.protocol.Protocol` against the API server, or
+    `tasklease.testing`'s in-memory one."""
+
+    def renew(self, held: Held, *, timeout: float = 30) -> Held: ...
+    def complete(self, held: Held, result: str) -> Held: ...
+    def fail(self, held: Held, message: str, *, retryable: bool = True) -> Held: ...
+    def release(self, held: Held, message: str = "released by its holder") -> Held: ...
 
 
 class ClaimedTask:
@@ -43,7 +56,7 @@ class ClaimedTask:
     Locks are never held across a request: `_state` guards the fields, `_writing` lets
     one write (a renewal or the ending) at a time use the Lease's last resourceVersion."""
 
-    def __init__(self, protocol: Protocol, held: Held, payload: dict[str, Any], *, interrupt: bool = False,
+    def __init__(self, protocol: LeaseWriter, held: Held, payload: dict[str, Any], *, interrupt: bool = False,
                  followers: Followers | None = None, renewals: Renewals | None = None,
                  settings: AgentSettings | None = None, monotonic: Callable[[], float] = time.monotonic) -> None:
         """`followers`: hear of a cancel or deletion of the Task at once (None: at the next renewal,
@@ -124,8 +137,24 @@ class ClaimedTask:
         if self.lost.is_set():
             raise errors.LostLease(self.lost_reason)
 
+    def payload_as(self, model: type[M]) -> M:
+        """The payload as a pydantic `model`; Invalid, saying what does not fit, if it does not."""
+        try:
+            return model.model_validate(self.payload)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(the payload)"
+            raise errors.Invalid(f"the payload of task {self.namespace}/{self.name} does not fit {model.__name__}: "
+                                 f"{where}: {first['msg']} ({exc.error_count()} error(s))") from None
+
     def complete(self, result: Any = "") -> None:
-        text = result if isinstance(result, str) else json.dumps(result, separators=(",", ":"))
+        """`result`: a string as it is; a pydantic model or anything else JSON can write, as JSON."""
+        if isinstance(result, str):
+            text = result
+        elif isinstance(result, pydantic.BaseModel):
+            text = result.model_dump_json()
+        else:
+            text = json.dumps(result, separators=(",", ":"))
         self._finish(lambda h: self.protocol.complete(h, text))
 
     def fail(self, message: str, *, retryable: bool = True) -> None:
@@ -133,6 +162,16 @@ class ClaimedTask:
 
     def release(self, message: str = "released by its holder") -> None:
         self._finish(lambda h: self.protocol.release(h, message))
+
+    def _give_back(self, reason: str) -> None:
+        """Release the task for another agent while its work may still run (a drain's grace ran
+        out); the work is told as of a lost lease."""
+        try:
+            self.release(reason)
+        except errors.TaskleaseError as exc:  # lost or ended meanwhile: nothing to give back
+            log.info("did not give back %s/%s: %s", self.namespace, self.name, exc)
+            return
+        self._lose(reason)
 
     # -- context manager ---------------------------------------------------------------
 

@@ -25,12 +25,15 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from pydantic import BaseModel
+
 from tasklease.agent.cancel import Followers
 from tasklease.agent.claimed import ClaimedTask, Renewals
 from tasklease.agent.discovery import Candidate, Division, Owner, QueueView, task_selector, weight
 from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
 from tasklease.agent.settings import AgentSettings
+from tasklease.agent.worker import Handler, Worker
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record
@@ -209,33 +212,19 @@ class Agent:
                     return self._claimed(task, held, interrupt=interrupt, follow=False)
         raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
 
-    def work(self, queue: str, handler: Callable[[ClaimedTask], Any], *, stop: threading.Event | None = None,
-             max_tasks: int | None = None, idle_timeout: float | None = None) -> int:
-        """The worker loop: claim, run `handler`, complete with what it returns. Returns how many
-        tasks it completed; stops on `stop`, after `max_tasks`, after `idle_timeout` idle, or
-        when the agent is closed. A lost lease sets `task.lost`: long handlers check it."""
-        stop = stop or threading.Event()
-        done = 0
-        while not stop.is_set() and (max_tasks is None or done < max_tasks):
-            try:
-                task = self.claim(queue, timeout=idle_timeout, stop=stop)
-            except errors.NothingToClaim:
-                break
-            except (errors.Unreachable, errors.ServerError) as exc:
-                log.warning("claiming from %s failed (%s); retrying", queue, exc)
-                stop.wait(self.settings.retry_s)
-                continue
-            try:
-                with task:
-                    result = handler(task)
-                    if not task.lost.is_set() and not task.finished:
-                        task.complete(result if result is not None else "")
-                        done += 1
-            except errors.LostLease as exc:
-                log.warning("gave up %s/%s: %s", task.namespace, task.name, exc)
-            except Exception:  # noqa: BLE001 - the attempt was failed in __exit__; keep working
-                log.exception("task %s/%s failed", task.namespace, task.name)
-        return done
+    def work(self, queue: str, handler: Handler, *, concurrency: int = 1, stop: threading.Event | None = None,
+             max_tasks: int | None = None, idle_timeout: float | None = None,
+             payload_type: type[BaseModel] | None = None, drain: bool = True, grace_s: float = 30.0) -> int:
+        """The worker loop (`worker.Worker`): claim, run `handler(task)` (`handler(task, payload)`
+        with a `payload_type`), complete with what it returns; `concurrency` tasks at a time.
+        Returns how many tasks it completed; stops on `stop`, after `max_tasks` completed, after
+        `idle_timeout` idle, when the agent is closed, or (on the main thread, with `drain`) on
+        SIGTERM, giving the running tasks `grace_s` to finish."""
+        def claim(name: str, timeout: float | None, stopped: threading.Event) -> ClaimedTask:
+            return self.claim(name, timeout=timeout, stop=stopped)
+        return Worker(claim, queue, handler, concurrency=concurrency, stop=stop, max_tasks=max_tasks,
+                      idle_timeout=idle_timeout, payload_type=payload_type, drain=drain, grace_s=grace_s,
+                      retry_s=self.settings.retry_s).run()
 
     def close(self) -> None:
         """Wake every waiting `claim` (it raises NothingToClaim), release the tasks this agent
