@@ -14,17 +14,11 @@ from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
 from tasklease.agent import discovery
 from tasklease.agent.membership import Membership
-from tasklease.agent.discovery import (
-    CandidateIndex,
-    Owner,
-    QueueView,
-    compact,
-    divide,
-    expand,
-    owned_weight,
-    owner,
-    weight,
-)
+from tasklease.agent import division
+from tasklease.agent.candidates import CandidateIndex
+from tasklease.agent.compact import compact, expand
+from tasklease.agent.discovery import QueueView
+from tasklease.agent.division import Owner, divide, owned_weight, owner, weight
 from tasklease.api import errors
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
@@ -106,7 +100,7 @@ def test_an_agent_knows_its_own_tasks_as_the_owner_would_say_without_hashing_eve
         nonlocal calls
         calls += 1
         return weight(holder, name)
-    monkeypatch.setattr(discovery, "weight", counted)
+    monkeypatch.setattr(division, "weight", counted)
     for name in names:
         owned_weight(agents[0], agents, name)
     assert calls < len(names) * len(agents) / 2  # most tasks are another's, and found so early

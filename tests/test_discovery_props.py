@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasklease.agent.discovery import CandidateIndex, QueueView, divide, owner
+from tasklease.agent.candidates import CandidateIndex
+from tasklease.agent.discovery import QueueView
+from tasklease.agent.division import divide, owner
 from tasklease.kube import JSON
 from tasklease.protocol import LeaseRecord, TaskView, record
 from tasklease.protocol.rules import blocker

@@ -29,7 +29,8 @@ from pydantic import BaseModel
 
 from tasklease.agent.cancel import Followers
 from tasklease.agent.claimed import ClaimedTask, Renewals
-from tasklease.agent.discovery import Candidate, Division, Owner, QueueView, task_selector, weight
+from tasklease.agent.discovery import Candidate, QueueView, task_selector
+from tasklease.agent.division import Division, Owner, weight
 from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
 from tasklease.agent.settings import AgentSettings
