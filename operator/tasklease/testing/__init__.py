@@ -241,8 +241,8 @@ class FakeAgent:
 
     def work(self, queue: str, handler: Handler, *, concurrency: int = 1, stop: threading.Event | None = None,
              max_tasks: int | None = None, idle_timeout: float | None = None,
-             payload_type: type[BaseModel] | None = None, drain: bool = False, grace_s: float = 30.0) -> int:
-        """As `Agent.work` (the same loop), without the SIGTERM drain unless asked."""
+             payload_type: type[BaseModel] | None = None, drain: bool = True, grace_s: float = 30.0) -> int:
+        """As `Agent.work` (the same loop, with its drain on SIGTERM on the main thread)."""
         def claim(name: str, timeout: float | None, stopped: threading.Event) -> ClaimedTask:
             return self.claim(name, timeout=timeout, stop=stopped)
         return Worker(claim, queue, handler, concurrency=concurrency, stop=stop, max_tasks=max_tasks,
