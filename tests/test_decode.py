@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasklease.api import models
@@ -28,12 +28,14 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(a
                                                                                       max_size=3), max_leaves=20)
 
 
+@settings(deadline=None)  # no timing in tests: a loaded machine is slow
 @given(json_values)
 def test_flatten_keeps_every_object_within_its_depth_as_it_was(value: object) -> None:
     data = json.dumps(value).encode()
     assert json.loads(decode.flatten(data, 64)) == value
 
 
+@settings(deadline=None)  # no timing in tests: a loaded machine is slow
 @given(json_values, st.integers(min_value=1, max_value=4))
 def test_flatten_cuts_exactly_what_nests_deeper(value: object, depth: int) -> None:
     cut = json.loads(decode.flatten(json.dumps(value).encode(), depth))
