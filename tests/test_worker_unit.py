@@ -54,7 +54,7 @@ def test_sigterm_drains_the_work_loop_the_running_task_finishes_and_the_program_
 
 
 def test_a_task_still_running_when_the_grace_runs_out_is_released(tmp_path: Path) -> None:
-    assert _run(tmp_path, work_s=3, grace_s=0.2) == (0, "0 Pending Pending")
+    assert _run(tmp_path, work_s=1.5, grace_s=0.2) == (0, "0 Pending Pending")
 
 
 def test_importing_the_sdk_installs_no_signal_handler() -> None:
