@@ -86,6 +86,16 @@ def test_a_restarted_agent_releases_its_previous_instances_leases_at_once(
     assert rec.result == "second"
 
 
+def test_tasklease_run_leaves_its_queue_on_exit(cluster: Cluster, kube: Kube, namespace: str,
+                                                tmp_path: Path) -> None:
+    make_task(kube, "one", queue="leaving")
+    config = str(cluster.namespaced_kubeconfig(namespace, tmp_path))
+    run = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "leaving", "--wait", "30", "--", "true"),
+                  log=tmp_path / "run.log", env={"POD_NAME": "leaver-0"})
+    assert run.wait(60) == 0, run.output()
+    assert kube.list(LEASES, label_selector=members.selector("leaving"))["items"] == []  # its member Lease is gone
+
+
 def test_fencing_epoch_only_grows_and_stale_holders_are_refused(kube: Kube) -> None:
     make_task(kube, "fenced", queue="f", maxAttempts=5, backoff={"initialSeconds": 0, "maxSeconds": 0})
     agents = [Agent(kube, identity=Identity(pod=f"a{i}", instance="x")) for i in range(3)]
