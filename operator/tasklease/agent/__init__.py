@@ -1,4 +1,4 @@
-"""The agent SDK: claim, renew, finish, and stop the work when ownership is lost.
+"""The agent SDK: claim, renew, finish, and tell the work when ownership is lost.
 
 `tasklease run` (the `runner`) is built on it; `producer` creates and follows tasks; `aio`
 is the asyncio variant of the agent loop.
