@@ -15,7 +15,7 @@ from conftest import wait_for
 from tasklease.agent.cancel import Followers, _QueueFollower
 from tasklease.agent.claimed import ClaimedTask
 from tasklease.api import errors, models
-from tasklease.protocol import Held, LeaseRecord
+from tasklease.protocol import Held, LeaseRecord, TaskView
 
 
 class CountingProtocol:
@@ -154,3 +154,29 @@ def test_a_claim_of_a_task_whose_cancel_was_seen_already_is_lost_at_once_not_an_
     assert task.lost.is_set() and task.lost_reason == "task ns/t was cancelled"
     with pytest.raises(errors.LostLease), task:
         pass
+
+
+class _NoKube:
+    namespace = "ns"
+
+
+def test_a_claim_that_cannot_be_taken_up_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Construction order cannot leak a claim: won, then failing to become a ClaimedTask, it is released."""
+    from tasklease.agent import sdk
+    released: list[str] = []
+
+    class Recording(CountingProtocol):
+        def release(self, held: Held, message: str) -> Held:
+            released.append(message)
+            return held
+
+    def broken(*args: Any, **kwargs: Any) -> ClaimedTask:
+        raise RuntimeError("could not start a thread")
+    agent = sdk.Agent(_NoKube(), identity=sdk.Identity(pod="p", instance="1"))  # type: ignore[arg-type]
+    agent.protocol = Recording()  # type: ignore[assignment]
+    monkeypatch.setattr(sdk, "ClaimedTask", broken)
+    held = _claim(CountingProtocol()).held
+    view = TaskView(name="t", namespace="ns", uid="u", spec=held.spec, created="")
+    with pytest.raises(RuntimeError):
+        agent._claimed(view, held, interrupt=False)
+    assert released == ["its agent could not take up the claim"]
