@@ -10,7 +10,13 @@ result; any other exit fails the attempt (retried with backoff until maxAttempts
 
 With --loop one bad task (a command that cannot start, a lost lease) does not stop the
 loop, and an unreachable API server is retried with capped backoff, at start too; only
-permanent errors (no rights, no CRD) end it.
+permanent errors (no rights, no CRD) end it. With --concurrency N, N loops run side by side.
+
+SIGTERM or SIGINT stops it: no more claims, and the commands running get SIGTERM (SIGKILL
+after the grace period) and their tasks are released. With --drain the commands running are
+left to finish within the grace period instead (their outcome reported as usual); those
+still running then are stopped and released; the exit code is 0. `tasklease run` is the
+program's entry point: these handlers are its own.
 """
 
 from __future__ import annotations
@@ -40,18 +46,54 @@ MAX_ENV_PAYLOAD = 64 * 1024
 
 
 class Runner:
-    def __init__(self, agent: Agent, *, queue: str, argv: Sequence[str], grace_s: float = 10.0) -> None:
+    def __init__(self, agent: Agent, *, queue: str, argv: Sequence[str], grace_s: float = 10.0,
+                 concurrency: int = 1, drain: bool = False) -> None:
+        if concurrency < 1:
+            raise errors.Invalid(f"--concurrency must be at least 1, not {concurrency}")
         self.agent = agent
         self.queue = queue
         self.argv = list(argv)
         self.grace_s = grace_s
+        self.concurrency = concurrency
+        self.drain = drain
         self.stopping = threading.Event()
-        self._child: subprocess.Popen[bytes] | None = None
+        self._drain_over = threading.Event()  # the grace of a drain ran out (set at once without --drain)
+        self._children: set[subprocess.Popen[bytes]] = set()
         self._child_lock = threading.Lock()
 
     def run(self, *, loop: bool, wait_s: float | None) -> int:
-        """One task (or, with `loop`, one after another until stopped or idle for `wait_s`)."""
+        """One task (or, with `loop`, one after another until stopped or idle for `wait_s`;
+        `concurrency` loops side by side, the exit code the first one's)."""
         self._install_signal_handlers()
+        if self.concurrency == 1 or not loop:
+            return self._run(loop=loop, wait_s=wait_s)
+        codes: list[int] = []
+        others = [threading.Thread(target=lambda: codes.append(self._run(loop=True, wait_s=wait_s)),
+                                   name=f"run-{i}", daemon=True) for i in range(1, self.concurrency)]
+        for thread in others:
+            thread.start()
+        code = self._run(loop=True, wait_s=wait_s)
+        for thread in others:
+            thread.join()
+        return code
+
+    def stop(self) -> None:
+        """Claim no more. Without --drain, stop the commands running now; with it, after the grace."""
+        self.stopping.set()
+        if not self.drain:
+            self._drain_over.set()
+            self._terminate_children()
+            return
+        log.info("draining: no more claims; %.0fs for the commands running", self.grace_s)
+
+        def over() -> None:
+            self._drain_over.set()
+            self._terminate_children()
+        timer = threading.Timer(self.grace_s, over)
+        timer.daemon = True
+        timer.start()
+
+    def _run(self, *, loop: bool, wait_s: float | None) -> int:
         backoff = Backoff(base_s=0.5, cap_s=30.0)
         while not self._started(loop):
             if self.stopping.wait(backoff.next()):
@@ -87,7 +129,7 @@ class Runner:
                 code = exc.exit_code
             if not loop:
                 return code
-        return errors.RUN_STOPPED
+        return 0 if self.drain else errors.RUN_STOPPED
 
     def _started(self, loop: bool) -> bool:
         """The agent's start (releasing an older instance's leases); in --loop an unreachable
@@ -117,9 +159,9 @@ class Runner:
         if task.lost.is_set():
             raise errors.LostLease(f"lost {task.namespace}/{task.name} (attempt {task.epoch}): {task.lost_reason}; "
                                    f"the command was stopped")
-        if self.stopping.is_set():
+        if self._drain_over.is_set():  # stopped (a drain: its grace ran out): the command did not finish
             task.release(f"agent {task.holder} was stopped")
-            return errors.RUN_STOPPED
+            return 0 if self.drain else errors.RUN_STOPPED
         if code == 0:
             task.complete(tail.text())
             log.info("completed %s/%s (attempt %d)", task.namespace, task.name, task.epoch)
@@ -131,7 +173,12 @@ class Runner:
     def _execute(self, task: ClaimedTask, env: dict[str, str], stdin: bytes) -> tuple[int, _Tail, _Tail]:
         """Check ownership, register the kill on loss, then spawn: a loss at any moment stops it."""
         log.info("running %s for %s/%s (attempt %d)", self.argv[0], task.namespace, task.name, task.epoch)
-        task.on_lost.append(lambda _t: self._terminate_child())
+        spawned: list[subprocess.Popen[bytes]] = []
+
+        def stop_command(_: ClaimedTask) -> None:
+            for c in spawned:
+                self._terminate(c)
+        task.on_lost.append(stop_command)
         task.check()
         try:
             child = subprocess.Popen(self.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -139,10 +186,11 @@ class Runner:
         except OSError as exc:
             task.fail(f"cannot start {self.argv[0]}: {exc}", retryable=False)
             raise errors.Invalid(f"cannot start {self.argv[0]}: {exc.strerror}") from None
+        spawned.append(child)
         with self._child_lock:
-            self._child = child
-        if task.lost.is_set() or self.stopping.is_set():
-            self._terminate_child()  # lost (or stopped) while it was being spawned
+            self._children.add(child)
+        if task.lost.is_set() or self._drain_over.is_set():
+            self._terminate(child)  # lost (or stopped) while it was being spawned
         tail = _Tail(models.MAX_RESULT_BYTES, sink=sys.stdout)
         reader = threading.Thread(target=tail.pump, args=(child.stdout,), daemon=True)
         reader.start()
@@ -165,13 +213,11 @@ class Runner:
             reader.join(_DRAIN_S)
             err_reader.join(_DRAIN_S)
         with self._child_lock:
-            self._child = None
+            self._children.discard(child)
         return code, tail, err_tail
 
-    def _terminate_child(self) -> None:
-        with self._child_lock:
-            child = self._child
-        if child is not None:
+    def _terminate_children(self) -> None:
+        for child in list(self._children):  # no lock: called from a signal handler too
             self._terminate(child)
 
     def _terminate(self, child: subprocess.Popen[bytes]) -> None:
@@ -189,10 +235,7 @@ class Runner:
             return
 
         def stop(signum: int, frame: FrameType | None) -> None:
-            self.stopping.set()
-            child = self._child  # no lock in a signal handler: the main thread may hold it
-            if child is not None:
-                self._terminate(child)
+            self.stop()
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
 

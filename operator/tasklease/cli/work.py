@@ -73,9 +73,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not cmd:
         raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
     kube = kube_of(args)
-    agent = Agent(kube, identity=Identity.from_environment())
-    with _no_such_namespace_is_not_found(kube):
-        return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace).run(loop=args.loop, wait_s=args.wait)
+    # Leaving the block leaves the queue: our peers divide our share at once.
+    with Agent(kube, identity=Identity.from_environment()) as agent, _no_such_namespace_is_not_found(kube):
+        runner = Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace, concurrency=args.concurrency,
+                        drain=args.drain)
+        return runner.run(loop=args.loop, wait_s=args.wait)
 
 
 @contextlib.contextmanager
