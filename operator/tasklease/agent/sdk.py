@@ -37,7 +37,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from tasklease.api import errors, models, timestamps
+from tasklease.api import errors, models
 from tasklease.protocol import members, record
 from tasklease.agent.cancel import Following, share
 from tasklease.agent.cancel import follow as follow_task
@@ -604,7 +604,7 @@ class Agent:
                     raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
             next_ready = view.next_not_before()
             if next_ready is not None:
-                wait = min(wait, max((next_ready - timestamps.now_utc()).total_seconds(), 0.05))
+                wait = min(wait, max((next_ready - self.kube.now()).total_seconds(), 0.05))
             if stop is not None:
                 wait = min(wait, _STOP_CHECK_S)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
@@ -740,7 +740,7 @@ class Agent:
             kept = self._next.pop(view.queue, None)
         if kept is None or kept[0] != generation:
             return None
-        candidates = view.still(kept[1], timestamps.now_utc())
+        candidates = view.still(kept[1], self.kube.now())
         return (candidates, _RECHECK_S, True) if candidates else None
 
     def _pick(self, view: QueueView, member: Membership,
@@ -771,7 +771,7 @@ class Agent:
         return candidates, _RECHECK_S, bool(division.ours)
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
-        return view.choose(self.identity.holder, timestamps.now_utc(), window=self.best_of, limit=_KEPT_PER_LOOK)
+        return view.choose(self.identity.holder, self.kube.now(), window=self.best_of, limit=_KEPT_PER_LOOK)
 
     def _try(self, view: QueueView, member: Membership, candidates: list[Candidate], *, ours: bool,
              interrupt: bool) -> tuple[ClaimedTask | None, list[str], list[Candidate]]:
