@@ -40,7 +40,8 @@ class FakeKube:
         self.objects[(res.plural, obj["metadata"]["namespace"], obj["metadata"]["name"])] = obj
         return copy.deepcopy(obj)
 
-    def get_or_none(self, res: Resource, name: str, *, namespace: str | None = None, timeout: float = 30) -> JSON | None:
+    def get_or_none(self, res: Resource, name: str, *, namespace: str | None = None,
+                    timeout: float = 30) -> JSON | None:
         obj = self.objects.get((res.plural, namespace or self.namespace, name))
         return copy.deepcopy(obj) if obj is not None else None
 

@@ -6,28 +6,20 @@ server, with agents whose clocks are set 60 s off by libfaketime (Debian's `fake
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Cluster, Operator, make_task, tasklease_cmd, wait_for
 from fake_kube import FakeKube
 
 from tasklease.api import models
-from tasklease.api.timestamps import format_time, now_utc, parse_time
-from tasklease.kube import LEASES, TASKS, JSON, Kube
+from tasklease.api.timestamps import format_time
+from tasklease.kube import LEASES, TASKS, JSON
 from tasklease.kube.servertime import ServerClock
 from tasklease.operator import cleanup, projection
 from tasklease.operator.reconciler import Reconciler
-from tasklease.protocol import LeaseRecord, Protocol, TaskView, record
+from tasklease.protocol import LeaseRecord, TaskView, record
 from tasklease.protocol.rules import attempts_used, claimed
 
 pytestmark = pytest.mark.adversarial
