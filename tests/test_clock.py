@@ -6,20 +6,31 @@ server, with agents whose clocks are set 60 s off by libfaketime (Debian's `fake
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import ssl
+import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
+import yaml
+from conftest import Cluster, Operator, agent_pod_kubeconfig, make_task, tasklease_cmd, wait_for
 from fake_kube import FakeKube
 
 from tasklease.api import models
-from tasklease.api.timestamps import format_time
-from tasklease.kube import LEASES, TASKS, JSON
+from tasklease.api.timestamps import format_time, now_utc, parse_time
+from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.servertime import ServerClock
 from tasklease.operator import cleanup, projection
 from tasklease.operator.reconciler import Reconciler
-from tasklease.protocol import LeaseRecord, TaskView, record
+from tasklease.protocol import LeaseRecord, Protocol, TaskView, record
 from tasklease.protocol.rules import attempts_used, claimed
 
 pytestmark = pytest.mark.adversarial
@@ -222,3 +233,171 @@ def test_the_ttl_counts_from_when_the_operator_saw_the_task_finish() -> None:
     assert cleanup.delete_at(TaskView.of(task), status, rec, default_ttl_s=None) == T0 + timedelta(seconds=30)
     later = projection.project(task, rec, old=status, now=T0 + timedelta(seconds=10))
     assert later.completed_at == T0 and projection.same(status, later)  # a re-projection keeps it
+
+
+# -- against the real API server -------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def faketime() -> Path:
+    """libfaketime (Debian's `faketime`), installed here when missing: a process's wall clock
+    set off by a fixed offset, the way a badly synchronised node's is."""
+    def found() -> Path | None:
+        return next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))), None)
+
+    if found() is None and shutil.which("apt-get") and os.geteuid() == 0:
+        subprocess.run(["apt-get", "install", "-y", "-q", "faketime"], capture_output=True, timeout=300,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    lib = found()
+    if lib is None:
+        pytest.skip("libfaketime is not installed and `apt-get install faketime` was not possible here")
+    return lib
+
+
+def served_for(cluster: Cluster, seconds: float) -> None:
+    """Wait until the API server's certificate is `seconds` old: a client whose clock is that
+    far behind refuses a certificate younger than that (not valid yet), as any TLS client
+    does. The suite's cluster makes its certificates when it starts."""
+    server = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    host, port = urlparse(server).hostname, urlparse(server).port
+    assert host is not None and port is not None
+    pem = ssl.get_server_certificate((host, port))
+    start = subprocess.run(["openssl", "x509", "-noout", "-startdate"], input=pem, capture_output=True, text=True,
+                           check=True).stdout.strip().split("=", 1)[1]
+    valid_from = datetime.strptime(start, "%b %d %H:%M:%S %Y %Z").replace(tzinfo=UTC)
+    time.sleep(max((valid_from + timedelta(seconds=seconds) - now_utc()).total_seconds(), 0))
+
+
+def skewed(lib: Path, offset_s: int, **env: str) -> dict[str, str]:
+    """The environment of a process whose wall clock reads `offset_s` seconds off."""
+    return {**os.environ, "LD_PRELOAD": str(lib), "FAKETIME": f"{offset_s:+d}s",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1", **env}
+
+
+def test_faketime_really_moves_a_python_process_clock(faketime: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", "import time; print(time.time())"], capture_output=True, text=True,
+                         env=skewed(faketime, 60), check=True).stdout
+    assert 55 < float(out) - time.time() < 65
+
+
+def test_the_kube_client_reads_the_api_servers_time_from_its_answers(cluster: Cluster, namespace: str) -> None:
+    admin = cluster.kube(namespace)
+    behind = Kube(admin.api_client, namespace,
+                  server_clock=ServerClock(wall=lambda: now_utc() - timedelta(seconds=60)))
+    assert abs((behind.now() - now_utc()).total_seconds() + 60) < 1  # no answer yet: its own clock
+    behind.get_or_none(TASKS, "nothing-here")  # a 404 is dated too
+    assert abs((behind.now() - now_utc()).total_seconds()) < 1.5  # the API server runs on this machine
+
+
+def _claim(lib: Path, offset_s: int, config: Path, queue: str, pod: str, *, wait_s: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(tasklease_cmd("claim", f"--kubeconfig={config}", "--queue", queue, "--wait", str(wait_s)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=skewed(lib, offset_s, POD_NAME=pod))
+
+
+def _lease_created(kube: Kube, name: str) -> datetime:
+    created = parse_time(kube.get(LEASES, name)["metadata"]["creationTimestamp"])  # the API server's clock
+    assert created is not None
+    return created
+
+
+def test_an_agent_a_minute_ahead_does_not_claim_before_not_before(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        faketime: Path) -> None:
+    start = now_utc() + timedelta(seconds=6)
+    make_task(kube, "later", queue="ahead", notBefore=format_time(start))
+    config = agent_pod_kubeconfig(cluster, namespace, "ahead-0", chart_roles["agent"], tmp_path)
+    claim = _claim(faketime, 60, config, "ahead", "ahead-0", wait_s=40)
+    out, err = claim.communicate(timeout=60)
+    assert claim.returncode == 0, err
+    assert json.loads(out)["name"] == "later"
+    assert _lease_created(kube, "later") >= start.replace(microsecond=0)  # whole seconds, rounded down
+
+
+def test_an_agent_a_minute_behind_claims_when_not_before_comes(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        faketime: Path) -> None:
+    served_for(cluster, 65)
+    start = now_utc() + timedelta(seconds=4)
+    make_task(kube, "soon", queue="behind", notBefore=format_time(start))
+    config = agent_pod_kubeconfig(cluster, namespace, "behind-0", chart_roles["agent"], tmp_path)
+    claim = _claim(faketime, -60, config, "behind", "behind-0", wait_s=30)
+    out, err = claim.communicate(timeout=60)
+    assert claim.returncode == 0, err  # not 30 s of waiting for a minute that its clock is behind
+    assert start.replace(microsecond=0) <= _lease_created(kube, "soon") <= start + timedelta(seconds=5)
+
+
+@pytest.mark.parametrize(("failer_s", "claimer_s"), [(60, -60), (-60, 60)],
+                         ids=["failer-ahead-claimer-behind", "failer-behind-claimer-ahead"])
+def test_a_backoff_between_agents_with_skewed_clocks_lasts_the_tasks_backoff(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        faketime: Path, failer_s: int, claimer_s: int) -> None:
+    served_for(cluster, 65)
+    make_task(kube, "flaky", queue="skew", backoff={"policy": "Fixed", "initialSeconds": 4, "maxSeconds": 4})
+    failer = agent_pod_kubeconfig(cluster, namespace, "failer-0", chart_roles["agent"], tmp_path)
+    first = _claim(faketime, failer_s, failer, "skew", "failer-0", wait_s=20)
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err
+    held = json.loads(out)
+    subprocess.run(tasklease_cmd("fail", f"--kubeconfig={failer}", "flaky", "--holder", held["holder"], "--epoch",
+                                 str(held["epoch"]), "-m", "boom"),
+                   check=True, capture_output=True, env=skewed(faketime, failer_s, POD_NAME="failer-0"), timeout=60)
+    failed_at = time.monotonic()
+    claimer = agent_pod_kubeconfig(cluster, namespace, "claimer-0", chart_roles["agent"], tmp_path)
+    second = _claim(faketime, claimer_s, claimer, "skew", "claimer-0", wait_s=30)
+    try:
+        wait_for(lambda: record.decode(kube.get(LEASES, "flaky")).epoch == 2, timeout=30, interval=0.05,
+                 message="the second attempt")
+        waited = time.monotonic() - failed_at
+    finally:
+        second.communicate(timeout=60)
+    # The failure was written before `fail` returned: the backoff may look up to a second shorter from here.
+    assert 4 - 1.5 <= waited <= 4 + 8
+
+
+def test_a_holder_that_writes_a_days_duration_and_goes_silent_is_expired_in_the_tasks(
+        kube: Kube, operator: Operator) -> None:
+    make_task(kube, "greedy", leaseDurationSeconds=5)
+    protocol = Protocol(kube)
+    held = protocol.claim(TaskView.of(kube.get(TASKS, "greedy")), None, "greedy-0/1")
+    kube.merge_patch(LEASES, "greedy", {"metadata": {"resourceVersion": held.record.resource_version},
+                                        "spec": {"leaseDurationSeconds": 86400}})
+    silent_since = time.monotonic()
+    wait_for(lambda: record.decode(kube.get(LEASES, "greedy")).state == record.FREE, timeout=5 + 1 + 10,
+             message="the expiry of a holder silent for the Task's 5 s")
+    assert time.monotonic() - silent_since >= 5 - 0.5
+    assert record.decode(kube.get(LEASES, "greedy")).history[-1].outcome == "Expired"
+
+
+def test_a_claim_made_before_not_before_by_the_servers_clock_is_undone_and_not_counted(
+        kube: Kube, operator: Operator) -> None:
+    make_task(kube, "early", notBefore=format_time(now_utc() + timedelta(minutes=2)), maxAttempts=1)
+    ahead = Protocol(kube, clock=lambda: now_utc() + timedelta(minutes=3))  # an agent that trusts its own clock
+    ahead.claim(TaskView.of(kube.get(TASKS, "early")), None, "early-0/1")
+    rec = wait_for(lambda: (r := record.decode(kube.get(LEASES, "early"))).state == record.FREE and r,
+                   timeout=15, message="the early claim undone")
+    assert rec.history[-1].outcome == "Undone" and rec.epoch == 1 and rec.budget_from == 1
+    assert attempts_used(TaskView.of(kube.get(TASKS, "early")), rec) == 0  # its one attempt is left
+
+
+def test_a_backoff_written_with_a_holders_wrong_clock_is_put_right(kube: Kube, operator: Operator) -> None:
+    make_task(kube, "wrong", backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5})
+    behind = Protocol(kube, clock=lambda: now_utc() - timedelta(seconds=60))  # not-before a minute in the past
+    behind.fail(behind.claim(TaskView.of(kube.get(TASKS, "wrong")), None, "wrong-0/1"), "boom")
+    failed = now_utc()
+
+    def put_right() -> bool:
+        nb = record.decode(kube.get(LEASES, "wrong")).not_before
+        return nb is not None and abs((nb - (failed + timedelta(seconds=5))).total_seconds()) < 2
+
+    wait_for(put_right, timeout=15, message="the backoff measured by the operator")
+
+
+def test_a_tasks_completion_time_is_when_the_operator_saw_it(kube: Kube, operator: Operator) -> None:
+    make_task(kube, "done", ttlSecondsAfterFinished=600)
+    behind = Protocol(kube, clock=lambda: now_utc() - timedelta(hours=1))
+    behind.complete(behind.claim(TaskView.of(kube.get(TASKS, "done")), None, "done-0/1"), "ok")
+    status = wait_for(lambda: (s := kube.get(TASKS, "done").get("status") or {}).get("phase") == "Succeeded" and s,
+                      timeout=15, message="the task projected Succeeded")
+    completed = parse_time(status["completedAt"])
+    assert completed is not None and abs((completed - now_utc()).total_seconds()) < 15
