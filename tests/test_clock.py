@@ -30,7 +30,7 @@ from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.servertime import ServerClock
 from tasklease.operator import cleanup, projection
 from tasklease.operator.reconciler import Reconciler
-from tasklease.protocol import LeaseRecord, Protocol, TaskView, record
+from tasklease.protocol import LeaseRecord, Protocol, TaskView, members, record
 from tasklease.protocol.rules import attempts_used, claimed
 
 pytestmark = pytest.mark.adversarial
@@ -339,13 +339,16 @@ def test_a_backoff_between_agents_with_skewed_clocks_lasts_the_tasks_backoff(
     out, err = first.communicate(timeout=60)
     assert first.returncode == 0, err
     held = json.loads(out)
-    subprocess.run(tasklease_cmd("fail", f"--kubeconfig={failer}", "flaky", "--holder", held["holder"], "--epoch",
-                                 str(held["epoch"]), "-m", "boom"),
-                   check=True, capture_output=True, env=skewed(faketime, failer_s, POD_NAME="failer-0"), timeout=60)
-    failed_at = time.monotonic()
+    # The claimer waits on its watch before the failure: it claims the moment it judges the backoff over.
     claimer = agent_pod_kubeconfig(cluster, namespace, "claimer-0", chart_roles["agent"], tmp_path)
-    second = _claim(faketime, claimer_s, claimer, "skew", "claimer-0", wait_s=30)
+    second = _claim(faketime, claimer_s, claimer, "skew", "claimer-0", wait_s=40)
     try:
+        wait_for(lambda: any(members.decode(m).holder.startswith("claimer-0/") for m in kube.list(
+            LEASES, label_selector=members.LABEL_AGENT_OF)["items"]), timeout=30, message="the claimer waiting")
+        subprocess.run(tasklease_cmd("fail", f"--kubeconfig={failer}", "flaky", "--holder", held["holder"],
+                                     "--epoch", str(held["epoch"]), "-m", "boom"),
+                       check=True, capture_output=True, env=skewed(faketime, failer_s, POD_NAME="failer-0"), timeout=60)
+        failed_at = time.monotonic()
         wait_for(lambda: record.decode(kube.get(LEASES, "flaky")).epoch == 2, timeout=30, interval=0.05,
                  message="the second attempt")
         waited = time.monotonic() - failed_at
