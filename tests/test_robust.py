@@ -185,10 +185,15 @@ def test_malformed_leases_stop_neither_a_loop_agent_nor_the_operator(
     config = agent_pod_kubeconfig(cluster, namespace, "looper-0", chart_roles["agent"], tmp_path)
     agent = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "r", "--loop", "--", "echo", "ok"),
                     log=tmp_path / "agent.log", env={"POD_NAME": "looper-0"})
+    names = ("bad-history", "nested", "unknown-outcome", "bad-time", "fine")
     try:
-        wait_for(lambda: all(_phase(kube, n) == "Succeeded" for n in ("bad-history", "nested", "unknown-outcome",
-                                                                       "bad-time", "fine")),
-                 timeout=60, message="every task of the queue done")
+        try:
+            wait_for(lambda: all(_phase(kube, n) == "Succeeded" for n in names), timeout=60,
+                     message="every task of the queue done")
+        except AssertionError as exc:
+            phases = {n: _phase(kube, n) for n in names}
+            raise AssertionError(f"{exc}: {phases}\nagent:\n{agent.output()[-3000:]}\n"
+                                 f"operator:\n{operator.output()[-3000:]}") from None
         assert agent.proc.poll() is None, agent.output()[-3000:]  # still taking tasks
     finally:
         agent.stop()

@@ -626,7 +626,7 @@ class Agent:
                 for _ in range(2):
                     try:
                         held = self.protocol.claim(task, rec, self.identity.holder)
-                    except errors.NotClaimable:
+                    except (errors.NotClaimable, errors.Refused):
                         break
                     except errors.Conflict:
                         if rec is not None:
@@ -781,7 +781,7 @@ class Agent:
         for i, (task, rec) in enumerate(candidates[:_TRIES_PER_LOOK]):
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
-            except (errors.Conflict, errors.NotClaimable):
+            except (errors.Conflict, errors.NotClaimable, errors.Refused):  # Refused: its Lease breaks a rule
                 lost.append(task.name)  # another agent won; the next candidate is another task
                 view.mark_taken(task.name, rec)
                 continue

@@ -32,6 +32,8 @@ _PAGE = 500  # objects per LIST page
 # The API server stores objects nested up to 10,000 levels (a Task's free-form payload);
 # Python's JSON decoder recurses once per level, kopf's included. Enough headroom for all.
 _RECURSION_LIMIT = 30_000
+# How the API server words a refusal by a ValidatingAdmissionPolicy or an admission webhook.
+_ADMISSION_DENIED = "denied request"
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,8 @@ def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:
             return errors.CRDMissing(f"the Task CRD ({resource.PLURAL}.{resource.GROUP}) is not installed in this "
                                      "cluster: kubectl apply -f crds/")
         return errors.NotFound(message)
+    if status == 403 and _ADMISSION_DENIED in message:
+        return errors.Refused(message)
     if status in (401, 403):
         return errors.Forbidden(message)
     if status in (400, 422):

@@ -99,7 +99,7 @@ class Reconciler:
         self._tasks: dict[Key, SlimTask] = {}
         self._leases: dict[Key, SlimLease] = {}
         self._sightings: dict[Key, Sighting] = {}
-        self._reported: dict[Key, str] = {}  # the malformed Lease version we posted an Event for
+        self._reported: dict[Key, tuple[int, frozenset[str]]] = {}  # (epoch, what) we posted an Event for
         self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
         self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
@@ -390,6 +390,11 @@ class Reconciler:
         view = TaskView.of(task)
         if rec is not None and rec.malformed:
             self._report_malformed(task, rec)
+            if rec.owner_uid == view.uid and set(rec.malformed) & set(record.DROPPED_REASONS):
+                # Written back without what could not be read: agents (and the admission
+                # policy) then see a Lease they can judge, and the task goes on.
+                log.warning("lease %s/%s: writing it back without what cannot be read", rec.namespace, rec.name)
+                rec = self._remember(rec, self.protocol.repair(view, rec))
         rec = self._act(view, rec)
         self._project(key, entry, task, rec)
         if self._clean_up(key, view, rec):
@@ -487,12 +492,15 @@ class Reconciler:
         return None
 
     def _report_malformed(self, task: JSON, rec: LeaseRecord) -> None:
-        """A Warning Event on the Task, once per Lease version, naming what could not be read."""
+        """A Warning Event on the Task naming what could not be read: once per attempt and
+        kind of problem (our own write-back of the same Lease is not news)."""
         key = (rec.namespace, rec.name)
         with self._cond:
-            if self._reported.get(key) == rec.resource_version:
+            epoch, told = self._reported.get(key, (rec.epoch, frozenset()))
+            told = told if epoch == rec.epoch else frozenset()
+            if told.issuperset(rec.malformed):
                 return
-            self._reported[key] = rec.resource_version
+            self._reported[key] = (rec.epoch, told | set(rec.malformed))
         self._announce(task, projection.Transition(
             "Warning", "MalformedLease",
             f"its Lease has fields that cannot be used ({', '.join(rec.malformed)}); they are ignored or cut"),

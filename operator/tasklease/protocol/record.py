@@ -148,6 +148,7 @@ def decode(lease: JSON, *, whole: bool = True) -> LeaseRecord:
 
 
 MALFORMED_REASONS: Final = ("history", "outcome", "timestamp", "number", "too-long")
+DROPPED_REASONS: Final = MALFORMED_REASONS[:4]  # left out by `decode`; "too-long" values are kept
 # What Task.status holds of a Lease's holder and reason (models.TaskStatus).
 MAX_HOLDER_CHARS: Final = int(models.TaskStatus.model_fields["holder"].metadata[0].max_length)
 MAX_REASON_CHARS: Final = int(models.TaskStatus.model_fields["reason"].metadata[0].max_length)

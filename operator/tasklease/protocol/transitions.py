@@ -222,7 +222,8 @@ class Protocol:
 
     def repair(self, task: TaskView, rec: LeaseRecord) -> LeaseRecord:
         """Write `rec` back, labelled again from its Task: puts back the labels a hand edit
-        stripped, so that the watches (the operator's and the agents', by label) see it again."""
+        stripped, so that the watches (the operator's and the agents', by label) see it again;
+        and leaves out what `record.decode` could not read (its `malformed`)."""
         return self._write(replace(rec, queue=task.spec.queue))
 
     def _write(self, rec: LeaseRecord, *, create: bool = False, whole: bool = False,
