@@ -56,7 +56,7 @@ _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
 # How far a claim's sighting may precede the time it became claimable, or a holder's
 # not-before may differ from ours, before we act: watch latency, not clock skew.
-_SLACK = timedelta(seconds=1)
+_SLACK = timedelta(seconds=2)
 # Outcomes of a holder's own write that end an attempt with the Task's backoff.
 _BACKED_OFF = ("Failed",)
 
