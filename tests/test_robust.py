@@ -21,7 +21,7 @@ from tasklease.api import errors, models
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
 from tasklease.operator import metrics, projection
 from tasklease.operator.reconciler import Reconciler
-from tasklease.protocol import LeaseRecord, Protocol, TaskView, record
+from tasklease.protocol import LeaseRecord, Protocol, TaskView, members, record
 
 pytestmark = pytest.mark.adversarial
 
@@ -73,6 +73,13 @@ def test_a_lease_without_labels_annotations_or_owner_is_read_as_foreign() -> Non
 
 def test_an_agent_reads_an_unreadable_history_as_none() -> None:
     assert record.decode_history("not json") == () and record.decode_history(NESTED) == ()
+
+
+def test_a_member_lease_nested_past_the_json_decoder_is_still_a_peer() -> None:
+    body = {"metadata": {"name": "m", "annotations": {members.ANN_TOOK: NESTED, members.ANN_HOLDING: "x"}},
+            "spec": {"holderIdentity": "agent-0/1"}}
+    member = members.decode(body)
+    assert (member.holder, member.took, member.holding) == ("agent-0/1", (), 0)
 
 
 def test_fields_too_long_for_the_status_are_cut_to_fit_and_marked() -> None:
