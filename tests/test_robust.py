@@ -148,6 +148,7 @@ def working() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize(("error", "ready"), [(errors.Invalid("status.result: Too long"), True),
+                                              (errors.Refused("denied request: a rule about this object"), True),
                                               (errors.Forbidden("no rights"), False)])
 def test_one_objects_refused_write_does_not_make_the_operator_unready(
         working: Any, error: errors.TaskleaseError, ready: bool) -> None:

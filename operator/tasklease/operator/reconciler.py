@@ -314,7 +314,7 @@ class Reconciler:
                 if transient(exc):
                     log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
                     self._retry(key, base_s=1.0)
-                elif isinstance(exc, errors.Forbidden | errors.CRDMissing):
+                elif isinstance(exc, errors.Forbidden | errors.CRDMissing) and not isinstance(exc, errors.Refused):
                     # Our rights or our CRD: every task is affected. Say so (readiness too);
                     # the task's next watch event brings it back.
                     self.problem = f"task {key[0]}/{key[1]}: {exc}"
