@@ -9,7 +9,7 @@ status write. Worker threads reconcile keys one at a time per key:
 2. expire a held lease whose holder went silent for the Task's lease duration (observed
    time, `expiry.LeaseClock`) or whose Pod is gone: free it for the next attempt with
    backoff, or dead-letter it; undo a claim first seen while the task was not claimable by
-   the API server's clock (`early`); put a backoff the failing holder wrote right (`rescheduled`);
+   the API server's clock (`_early`); put right a backoff the failing holder wrote (`_backoff_end`);
 3. project the Lease into Task.status (conditional PUT), then post the Events (the
    happy-path ones, Claimed and Succeeded, only with `happy_events`) and count the
    metrics of what changed;
@@ -61,7 +61,7 @@ _SLACK = timedelta(seconds=2)
 _BACKED_OFF = ("Failed",)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sighting:
     """When we first saw a Lease in its current (epoch, state), by the API server's clock:
     what a claim's timeliness and a backoff's end are judged from, never the writer's times.
