@@ -16,41 +16,41 @@ class Clock:
 def test_a_lease_expires_after_duration_plus_grace_of_one_unchanged_version() -> None:
     clock = Clock()
     leases: LeaseClock[str] = LeaseClock(clock, grace_s=2)
-    leases.observe("t", "rv1", 10)
+    leases.observe("t", "rv1")
     clock.now += 11.9
-    assert not leases.expired("t", "rv1")
+    assert not leases.expired("t", "rv1", 10)
     clock.now += 0.1
-    assert leases.expired("t", "rv1")
+    assert leases.expired("t", "rv1", 10)
     assert leases.silent_for("t") == 12.0
     assert leases.first_seen("t") == 100.0
     assert leases.first_seen("other") is None
-    assert leases.expires_at("t") == 112.0
+    assert leases.expires_at("t", 10) == 112.0
 
 
 def test_a_renewal_restarts_the_clock_and_an_old_version_never_expires() -> None:
     clock = Clock()
     leases: LeaseClock[str] = LeaseClock(clock, grace_s=0)
-    leases.observe("t", "rv1", 10)
+    leases.observe("t", "rv1")
     clock.now += 9
-    leases.observe("t", "rv2", 10)  # renewed: a new version, first seen now
-    leases.observe("t", "rv2", 10)  # seen again (a relist): keeps its first sighting
+    leases.observe("t", "rv2")  # renewed: a new version, first seen now
+    leases.observe("t", "rv2")  # seen again (a relist): keeps its first sighting
     clock.now += 9
-    assert not leases.expired("t", "rv2")
-    assert not leases.expired("t", "rv1")  # what we decide on must be the version we last saw
+    assert not leases.expired("t", "rv2", 10)
+    assert not leases.expired("t", "rv1", 10)  # what we decide on must be the version we last saw
     clock.now += 1
-    assert leases.expired("t", "rv2")
+    assert leases.expired("t", "rv2", 10)
 
 
 def test_a_new_leader_gives_every_held_lease_a_full_duration() -> None:
     clock = Clock()
     leases: LeaseClock[str] = LeaseClock(clock, grace_s=0)
-    leases.observe("t", "rv1", 10)
+    leases.observe("t", "rv1")
     clock.now += 9
     leases.restart_all()
     clock.now += 9
-    assert not leases.expired("t", "rv1")
+    assert not leases.expired("t", "rv1", 10)
     leases.forget("t")
-    assert leases.expires_at("t") is None and not leases.expired("t", "rv1")
+    assert leases.expires_at("t", 10) is None and not leases.expired("t", "rv1", 10)
 
 
 def test_the_deadline_queue_keeps_only_the_latest_time_per_key() -> None:

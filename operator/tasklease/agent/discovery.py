@@ -18,7 +18,6 @@ claimable, a peer comes or goes, or the earliest backoff runs out.
 from __future__ import annotations
 
 import heapq
-import json
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -30,7 +29,7 @@ from typing import TypeVar
 from tasklease.agent.candidates import CandidateIndex
 from tasklease.agent.compact import compact, expand
 from tasklease.agent.division import Division, Ownership, divide, owned_weight, owner
-from tasklease.api import errors, models, timestamps
+from tasklease.api import errors, models
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.watching import Listener, Reflector
 from tasklease.protocol import LeaseRecord, TaskView, members, record
@@ -85,6 +84,7 @@ class QueueView:
         """`clock`: seconds, for how long tasks have been candidates (tests inject one)."""
         self.queue = queue
         self._clock = clock
+        self._now = kube.now  # the API server's time: what a Task's and a Lease's times mean
         self._namespace = namespace
         # Every open task as compact JSON (what `TaskView.of` reads, nothing else): a few hundred
         # bytes where a TaskView takes about two kilobytes. Views are decoded again on demand and
@@ -334,7 +334,7 @@ class QueueView:
             self._index.discard(name)
             current = self._leases.get(name)
             if (current.resource_version if current else "") != self._taken[name]:
-                self._judge(name, timestamps.now_utc())  # it changed since the look we tried it from
+                self._judge(name, self._now())  # it changed since the look we tried it from
 
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]
@@ -351,7 +351,7 @@ class QueueView:
             else:
                 self._tasks[name] = text
                 self._remember(name, view)
-            self._judge(name, timestamps.now_utc())
+            self._judge(name, self._now())
         for listener in self.task_listeners:
             listener(kind, obj)
 
@@ -377,11 +377,11 @@ class QueueView:
                     self._histories[name] = history
                 else:
                     self._histories.pop(name, None)
-            self._judge(name, timestamps.now_utc())
+            self._judge(name, self._now())
 
     def _on_member(self, kind: str, obj: JSON) -> None:
         member = members.decode(obj)
-        now = timestamps.now_utc()
+        now = self._now()
         with self._changed:
             told = False
             for name in member.took if kind != "DELETED" else ():  # also when it leaves
@@ -463,7 +463,7 @@ class QueueView:
         text = self._histories.get(name)
         if rec is None or not text:
             return rec
-        return replace(rec, history=tuple(models.Attempt.model_validate(a) for a in json.loads(text)))
+        return replace(rec, history=record.decode_history(text))
 
     def _judge(self, name: str, now: datetime) -> None:
         """Caller holds the lock. Re-decide one task; wake the claimers only if it became claimable.

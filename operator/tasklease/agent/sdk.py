@@ -35,7 +35,7 @@ from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
 from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
-from tasklease.api import errors, models, timestamps
+from tasklease.api import errors, models
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record
 from tasklease.protocol.members import MemberLease
@@ -179,7 +179,7 @@ class Agent:
                     raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
             next_ready = view.next_not_before()
             if next_ready is not None:
-                wait = min(wait, max((next_ready - timestamps.now_utc()).total_seconds(), 0.05))
+                wait = min(wait, max((next_ready - self.kube.now()).total_seconds(), 0.05))
             if stop is not None:
                 wait = min(wait, settings.stop_check_s)  # a local wake-up to notice `stop`, no request
             view.wait_for_change(since, wait)
@@ -201,7 +201,7 @@ class Agent:
                 for _ in range(2):
                     try:
                         held = self.protocol.claim(task, rec, self.identity.holder)
-                    except errors.NotClaimable:
+                    except (errors.NotClaimable, errors.Refused):
                         break
                     except errors.Conflict:
                         if rec is not None:
@@ -322,7 +322,7 @@ class Agent:
             kept = self._next.pop(view.queue, None)
         if kept is None or kept[0] != generation:
             return None
-        candidates = view.still(kept[1], timestamps.now_utc())
+        candidates = view.still(kept[1], self.kube.now())
         return (candidates, self.settings.recheck_s, True) if candidates else None
 
     def _pick(self, view: QueueView, member: Membership,
@@ -351,7 +351,7 @@ class Agent:
         return candidates, self.settings.recheck_s, bool(division.ours)
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
-        return view.choose(self.identity.holder, timestamps.now_utc(), window=self.settings.best_of,
+        return view.choose(self.identity.holder, self.kube.now(), window=self.settings.best_of,
                            limit=self.settings.kept_per_look)
 
     def _try(self, view: QueueView, member: Membership, candidates: list[Candidate], *, ours: bool,
@@ -362,7 +362,7 @@ class Agent:
         for i, (task, rec) in enumerate(candidates[:self.settings.tries_per_look]):
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
-            except (errors.Conflict, errors.NotClaimable):
+            except (errors.Conflict, errors.NotClaimable, errors.Refused):  # Refused: its Lease breaks a rule
                 lost.append(task.name)  # another agent won; the next candidate is another task
                 view.mark_taken(task.name, rec)
                 continue

@@ -41,6 +41,10 @@ class Forbidden(TaskleaseError):
     meaning = "forbidden (RBAC)"
 
 
+class Refused(Forbidden):
+    """An admission policy refused this one write (403): a rule about the object, not our rights."""
+
+
 class Unreachable(TaskleaseError):
     """No cluster configuration, or the API server does not answer."""
 

@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -19,6 +20,7 @@ from kubernetes import client, config
 
 from tasklease.api import errors, resource
 from tasklease.kube import decode
+from tasklease.kube.servertime import ServerClock
 
 JSON = dict[str, Any]
 # Unknown fields are an error, not silently dropped (outside `payload`, which keeps them).
@@ -27,6 +29,8 @@ _STRICT = {"fieldValidation": "Strict"}
 _WATCH_READ_TIMEOUT_S = 90
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _PAGE = 500  # objects per LIST page
+# How the API server words a refusal by a ValidatingAdmissionPolicy or an admission webhook.
+_ADMISSION_DENIED = "denied request"
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,17 @@ CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", names
 class Kube:
     """One API client and a default namespace. Thread-safe: urllib3 pools connections."""
 
-    def __init__(self, api_client: client.ApiClient, namespace: str) -> None:
+    def __init__(self, api_client: client.ApiClient, namespace: str, *,
+                 server_clock: ServerClock | None = None) -> None:
         self.api_client = api_client
         self.namespace = namespace
+        # Every answer's Date header feeds it: decisions against times written on objects use
+        # the API server's clock, not this machine's.
+        self.server_clock = server_clock or ServerClock()
+
+    def now(self) -> datetime:
+        """The API server's time, at the earliest it can be (`ServerClock.earliest`)."""
+        return self.server_clock.earliest()
 
     @classmethod
     def connect(cls, *, kubeconfig: str | None = None, context: str | None = None,
@@ -107,6 +119,7 @@ class Kube:
             header_params={"Accept": "application/json", "Content-Type": content_type},
             auth_settings=["BearerToken"])
         payload = json.dumps(body).encode() if body is not None else None
+        sent = self.server_clock.wall()
         try:
             resp = self.api_client.rest_client.pool_manager.request(
                 method, url, body=payload, headers=headers, preload_content=False,
@@ -116,6 +129,7 @@ class Kube:
                 retries=False)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise errors.Unreachable(f"cannot reach the Kubernetes API server: {_short(exc)}") from None
+        self.server_clock.observe(resp.headers.get("Date"), sent=sent, got=self.server_clock.wall())
         if resp.status >= 400:
             data = resp.data
             resp.release_conn()
@@ -219,6 +233,8 @@ def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:
             return errors.CRDMissing(f"the Task CRD ({resource.PLURAL}.{resource.GROUP}) is not installed in this "
                                      "cluster: kubectl apply -f crds/")
         return errors.NotFound(message)
+    if status == 403 and _ADMISSION_DENIED in message:
+        return errors.Refused(message)
     if status in (401, 403):
         return errors.Forbidden(message)
     if status in (400, 422):

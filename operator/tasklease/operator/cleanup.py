@@ -26,7 +26,8 @@ def delete_at(task: TaskView, status: TaskStatus, rec: LeaseRecord | None, *,
     if own and rec is not None and rec.state != CLOSED:
         return None  # reopened by `tasklease retry`; the projection will follow
     reason = rec.reason if own and rec is not None else status.reason
-    finished = rec.renewed_at if own and rec is not None else status.completed_at
-    if reason in KEPT_REASONS or finished is None:
+    # completedAt is when the operator saw the task finish, on the API server's clock; never
+    # a time the Lease's writer chose.
+    if reason in KEPT_REASONS or status.completed_at is None:
         return None
-    return finished + timedelta(seconds=ttl)
+    return status.completed_at + timedelta(seconds=ttl)

@@ -4,8 +4,9 @@ Like client-go's leader election and the node lifecycle controller, the operator
 compares a remote `renewTime` with its local clock (clock skew, clock jumps: kubernetes
 issues 67651, 125761). It remembers when it first saw each resourceVersion of a held
 Lease; the lease is expired when that version has stood unchanged for
-`leaseDurationSeconds + grace` seconds as measured here. A restarted operator has seen
-nothing yet, so every held lease gets a full duration again.
+the Task's `spec.leaseDurationSeconds + grace` seconds as measured here: never the Lease's
+own `leaseDurationSeconds`, which its holder writes. A restarted operator has seen nothing
+yet, so every held lease gets a full duration again.
 
 `PodsGone` decides the other cause of expiry: the holder's own Pod went away.
 
@@ -30,7 +31,6 @@ DEFAULT_GRACE_S = 2.0
 class Observation:
     resource_version: str
     first_seen: float  # on the operator's monotonic clock
-    duration_s: float
 
 
 class LeaseClock(Generic[K]):
@@ -41,29 +41,27 @@ class LeaseClock(Generic[K]):
         self.grace_s = grace_s
         self._seen: dict[K, Observation] = {}
 
-    def observe(self, key: K, resource_version: str, duration_s: float) -> Observation:
+    def observe(self, key: K, resource_version: str) -> Observation:
         """Record a held lease's version; a version seen before keeps its first sighting."""
         seen = self._seen.get(key)
         if seen is None or seen.resource_version != resource_version:
-            seen = Observation(resource_version, self.monotonic(), duration_s)
+            seen = Observation(resource_version, self.monotonic())
             self._seen[key] = seen
         return seen
 
     def forget(self, key: K) -> None:
         self._seen.pop(key, None)
 
-    def expires_at(self, key: K) -> float | None:
+    def expires_at(self, key: K, duration_s: float) -> float | None:
+        """`duration_s`: the Task's spec.leaseDurationSeconds."""
         seen = self._seen.get(key)
-        return None if seen is None else self._deadline(seen)
+        return None if seen is None else seen.first_seen + duration_s + self.grace_s
 
-    def expired(self, key: K, resource_version: str) -> bool:
+    def expired(self, key: K, resource_version: str, duration_s: float) -> bool:
         seen = self._seen.get(key)
         if seen is None or seen.resource_version != resource_version:
             return False
-        return self.monotonic() >= self._deadline(seen)
-
-    def _deadline(self, seen: Observation) -> float:
-        return seen.first_seen + seen.duration_s + self.grace_s
+        return self.monotonic() >= seen.first_seen + duration_s + self.grace_s
 
     def silent_for(self, key: K) -> float:
         seen = self._seen.get(key)
@@ -77,7 +75,7 @@ class LeaseClock(Generic[K]):
     def restart_all(self) -> None:
         """Give every held lease a full duration from now (a new leader knows nothing)."""
         now = self.monotonic()
-        self._seen = {k: Observation(o.resource_version, now, o.duration_s) for k, o in self._seen.items()}
+        self._seen = {k: Observation(o.resource_version, now) for k, o in self._seen.items()}
 
 
 class PodsGone(Generic[K]):

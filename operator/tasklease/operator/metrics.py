@@ -54,6 +54,9 @@ STATUS_WRITES = Counter("tasklease_status_writes_total", "Task status writes, by
 for _result in ("ok", "conflict", "error"):
     STATUS_WRITES.labels(_result)  # at zero from the start: the projection-failing alert divides by them
 EVENTS_POSTED = Counter("tasklease_events_posted_total", "Events posted on Tasks.", registry=REGISTRY)
+MALFORMED = Counter("tasklease_malformed_objects_total",
+                    "Object versions read with fields that could not be used (ignored or cut), by kind and reason.",
+                    ["kind", "reason"], registry=REGISTRY)
 LEADER = Gauge("tasklease_operator_leader", "1 while this replica is the active one.", registry=REGISTRY)
 PENDING_WORK = Gauge("tasklease_operator_queue_depth", "Tasks waiting to be reconciled.", registry=REGISTRY)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from tasklease.api.timestamps import parse_time
 from tasklease.protocol import LeaseRecord, record
-from tasklease.api.models import Condition, Phase, TaskStatus
+from tasklease.api.models import MAX_ERROR_CHARS, MAX_HISTORY, MAX_RESULT_BYTES, Condition, Phase, TaskStatus
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,10 @@ def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, n
         status = TaskStatus(phase=Phase.PENDING, reason="Waiting", attempt=old.attempt, history=old.history)
     else:
         status = _from_lease(rec)
+        # When it finished is when we saw it finish (a TTL counts from it), not the time its
+        # writer put on the Lease.
+        if status.phase.terminal:
+            status.completed_at = old.completed_at if old.phase is status.phase and old.completed_at else now
     scheduled = parse_time((task.get("spec") or {}).get("notBefore"))
     if status.phase is Phase.PENDING and scheduled is not None and scheduled > now:
         status.reason = "Scheduled"
@@ -73,20 +77,32 @@ def _retried_after(rec: LeaseRecord, old: TaskStatus) -> bool:
 
 
 def _from_lease(rec: LeaseRecord) -> TaskStatus:
+    """Fields longer than the status allows (`record.decode` marks them, the operator reports
+    them) are cut to fit with a visible mark: a status that can never be written would stop
+    the projection of this task for good."""
     last = rec.history[-1] if rec.history else None
-    status = TaskStatus(attempt=rec.epoch, history=list(rec.history), last_error=rec.error,
+    status = TaskStatus(attempt=rec.epoch, history=list(rec.history[-MAX_HISTORY:]),
+                        last_error=_fit(rec.error, MAX_ERROR_CHARS),
                         claimed_at=rec.acquired_at if rec.epoch else None, not_before=rec.not_before)
     if rec.state == record.HELD:
         # Not renewTime: the status changes when the holder changes, never per heartbeat
         # (a write per renewal would reach every watcher of the Task). The Lease has it.
-        status.phase, status.reason, status.holder = Phase.RUNNING, "Held", rec.holder
+        status.phase, status.reason = Phase.RUNNING, "Held"
+        status.holder = _fit(rec.holder, record.MAX_HOLDER_CHARS)
     elif rec.state == record.CLOSED:
-        status.phase, status.reason = Phase(rec.outcome), rec.reason
-        status.result, status.completed_at = rec.result, rec.renewed_at
+        status.phase, status.reason = Phase(rec.outcome), _fit(rec.reason, record.MAX_REASON_CHARS)
+        status.result = _fit(rec.result, MAX_RESULT_BYTES)
     else:
         status.phase = Phase.PENDING
         status.reason = "BackingOff" if rec.not_before else (last.outcome if last and last.outcome else "Waiting")
     return status
+
+
+_CUT: Final = "...[cut]"
+
+
+def _fit(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[:limit - len(_CUT)] + _CUT
 
 
 def _conditions(status: TaskStatus, old: list[Condition], *, generation: int, now: datetime) -> list[Condition]:
@@ -145,4 +161,4 @@ def transitions(old: TaskStatus, new: TaskStatus) -> list[Transition]:
     return out
 
 
-_ATTEMPT_EVENTS = ("Expired", "Failed", "Released")
+_ATTEMPT_EVENTS = ("Expired", "Failed", "Released", "Undone")

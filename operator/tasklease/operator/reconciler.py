@@ -6,8 +6,10 @@ within that window makes one reconcile, so a task claimed and finished within it
 status write. Worker threads reconcile keys one at a time per key:
 
 1. carry out what the Task asks: cancel, or fail it at its deadline;
-2. expire a held lease whose holder went silent (observed time, `expiry.LeaseClock`) or
-   whose Pod is gone: free it for the next attempt with backoff, or dead-letter it;
+2. expire a held lease whose holder went silent for the Task's lease duration (observed
+   time, `expiry.LeaseClock`) or whose Pod is gone: free it for the next attempt with
+   backoff, or dead-letter it; undo a claim first seen while the task was not claimable by
+   the API server's clock (`_early`); put right a backoff the failing holder wrote (`_backoff_end`);
 3. project the Lease into Task.status (conditional PUT), then post the Events (the
    happy-path ones, Claimed and Succeeded, only with `happy_events`) and count the
    metrics of what changed;
@@ -26,7 +28,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
@@ -52,17 +55,38 @@ _RETRY_CAP_S = 30.0
 _POD_MEMORY_S = 2 * 3600.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
+# How far a claim's sighting may precede the time it became claimable, or a holder's
+# not-before may differ from ours, before we act: watch latency, not clock skew.
+_SLACK = timedelta(seconds=2)
+# Outcomes of a holder's own write that end an attempt with the Task's backoff.
+_BACKED_OFF = ("Failed",)
+
+
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """When we first saw a Lease in its current (epoch, state), by the API server's clock:
+    what a claim's timeliness and a backoff's end are judged from, never the writer's times.
+    `witnessed`: we saw the attempt end (held, then this), not just found it so."""
+
+    epoch: int
+    state: str
+    at: datetime
+    witnessed: bool = False
 
 
 class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
-                 monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
+                 monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] | None = None,
                  component: str = "tasklease-operator", default_ttl_s: int | None = None, coalesce_s: float = 0.0,
                  happy_events: bool = False) -> None:
         self.kube = kube
         self.namespaces = namespaces  # None: all
-        self.protocol = Protocol(kube, clock=clock)
-        self.clock = clock
+        # The API server's time: the Task's times are judged by it. A claim's sighting is
+        # stamped with its latest bound (a claim is never taken for early wrongly), the rest
+        # with its earliest, as the agents judge. A test pins one clock for both.
+        self.clock = clock or kube.now
+        self.late_clock = clock or kube.server_clock.latest
+        self.protocol = Protocol(kube, clock=self.clock)
         self.monotonic = monotonic
         self.component = component
         self.default_ttl_s = default_ttl_s  # for Tasks without spec.ttlSecondsAfterFinished
@@ -75,6 +99,8 @@ class Reconciler:
         self._backlog: set[Key] | None = None  # None: not counted yet
         self._tasks: dict[Key, SlimTask] = {}
         self._leases: dict[Key, SlimLease] = {}
+        self._sightings: dict[Key, Sighting] = {}
+        self._reported: dict[Key, tuple[int, frozenset[str]]] = {}  # (epoch, what) we posted an Event for
         self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
         self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
@@ -140,20 +166,37 @@ class Reconciler:
         try:
             rec = record.decode(obj)
         except (ValueError, KeyError, TypeError):
-            log.exception("lease %s/%s cannot be read; ignoring it", *key)
+            log.warning("lease %s/%s cannot be read at all; ignoring it", *key)
+            metrics.MALFORMED.labels("Lease", "unreadable").inc()
             kind = "DELETED"  # a version we cannot read must not stay cached as if current
         if kind == "DELETED":
             self._leases.pop(key, None)
+            self._sightings.pop(key, None)
+            self._reported.pop(key, None)
             self._lease_clock.forget(key)
             return
+        if rec.malformed:
+            log.warning("lease %s/%s: ignoring what cannot be read of it (%s)", *key, ", ".join(rec.malformed))
+            for reason in rec.malformed:
+                metrics.MALFORMED.labels("Lease", reason).inc()
         self._cache(key, rec)
 
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
         """Caller holds the lock."""
         self._leases[key] = slim_lease(rec)
+        before = self._sightings.get(key)
+        if before is None or (before.epoch, before.state) != (rec.epoch, rec.state):
+            if rec.state == record.CLOSED:
+                self._sightings.pop(key, None)
+            else:
+                held = rec.state == record.HELD
+                self._sightings[key] = Sighting(
+                    rec.epoch, rec.state, self.late_clock() if held else self.clock(),
+                    witnessed=not held and before is not None and before.state == record.HELD
+                    and before.epoch == rec.epoch)
         if rec.state == record.HELD:
             # The moment we first see this version is what expiry is measured from.
-            self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
+            self._lease_clock.observe(key, rec.resource_version)
         else:
             self._lease_clock.forget(key)
 
@@ -282,11 +325,14 @@ class Reconciler:
                 if transient(exc):
                     log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
                     self._retry(key, base_s=1.0)
-                else:
-                    # Rights or a refused write: retrying will not help. Say so (readiness
-                    # too); the task's next watch event brings it back.
+                elif isinstance(exc, errors.Forbidden | errors.CRDMissing) and not isinstance(exc, errors.Refused):
+                    # Our rights or our CRD: every task is affected. Say so (readiness too);
+                    # the task's next watch event brings it back.
                     self.problem = f"task {key[0]}/{key[1]}: {exc}"
                     log.error("%s; not retrying until it changes", self.problem)
+                else:
+                    # One object's write refused: that object's problem, not our readiness.
+                    log.error("task %s/%s: %s; not retrying until it changes", key[0], key[1], exc)
             except Exception:  # noqa: BLE001 - a bug must not stop the other tasks
                 log.exception("task %s/%s: reconcile failed", *key)
             finally:
@@ -353,6 +399,13 @@ class Reconciler:
         if rec is None and _claimed_before(task):
             rec = self._find_unlabelled(task)
         view = TaskView.of(task)
+        if rec is not None and rec.malformed:
+            self._report_malformed(task, rec)
+            if rec.owner_uid == view.uid and set(rec.malformed) & set(record.DROPPED_REASONS):
+                # Written back without what could not be read: agents (and the admission
+                # policy) then see a Lease they can judge, and the task goes on.
+                log.warning("lease %s/%s: writing it back without what cannot be read", rec.namespace, rec.name)
+                rec = self._remember(rec, self.protocol.repair(view, rec))
         rec = self._act(view, rec)
         self._project(key, entry, task, rec)
         if self._clean_up(key, view, rec):
@@ -388,12 +441,27 @@ class Reconciler:
             return self._remember(rec, self.protocol.close(
                 view, rec, phase=Phase.FAILED, reason="DeadLettered",
                 message=f"all {view.spec.max_attempts} attempts are spent"))
-        if found is not Blocker.HELD or rec is None:
-            return rec  # claimable, backing off, or finished for good (I4)
         key = (view.namespace, view.name)
         with self._cond:
+            sighting = self._sightings.get(key)
+        if rec is not None and rec.state == record.FREE and sighting is not None and sighting.state == record.FREE:
+            backoff_end = self._backoff_end(view, rec, sighting)
+            if backoff_end is not None:
+                log.info("task %s/%s: backoff of attempt %d set to end %s (the holder wrote %s)", view.namespace,
+                         view.name, rec.epoch, timestamps.format_time(backoff_end),
+                         timestamps.format_time(rec.not_before))
+                return self._remember(rec, self.protocol.reschedule(rec, backoff_end))
+        if rec is None or rec.state != record.HELD or found not in (Blocker.HELD, Blocker.SCHEDULED):
+            return rec  # claimable, backing off, or finished for good (I4)
+        early = self._early(view, rec, sighting)
+        if early is not None:
+            why, not_before = early
+            log.warning("task %s/%s: undoing attempt %d of %s: %s", view.namespace, view.name, rec.epoch,
+                        rec.holder, why)
+            return self._remember(rec, self.protocol.undo(rec, why, not_before=not_before))
+        with self._cond:
             pod_gone = self._holder_pod_gone(key, rec)
-            timed_out = self._lease_clock.expired(key, rec.resource_version)
+            timed_out = self._lease_clock.expired(key, rec.resource_version, view.spec.lease_duration_seconds)
             silent = self._lease_clock.silent_for(key)
         if not (pod_gone or timed_out):
             return rec
@@ -404,6 +472,50 @@ class Reconciler:
         log.info("task %s/%s: expired attempt %d of %s (%s, silent %.1fs)", view.namespace, view.name, rec.epoch,
                  rec.holder, cause, silent)
         return self._remember(rec, written)
+
+    def _backoff_end(self, view: TaskView, rec: LeaseRecord, sighting: Sighting) -> datetime | None:
+        """The end of a free Lease's backoff by our clock, when the one it says is off by more
+        than `_SLACK`; None when it is right. The holder that failed wrote not-before with its
+        clock: we measure the Task's backoff from when we saw the attempt end. A Lease found
+        free (we did not see the attempt end) keeps its not-before, but no later than a
+        backoff from when we found it."""
+        last = rec.history[-1] if rec.history else None
+        if last is None or last.attempt != rec.epoch or last.outcome not in _BACKED_OFF or sighting.epoch != rec.epoch:
+            return None
+        ours = sighting.at + timedelta(seconds=view.spec.backoff.delay_after(rec.epoch - rec.budget_from))
+        if view.spec.not_before is not None:
+            ours = max(ours, view.spec.not_before)
+        if not sighting.witnessed:
+            if rec.not_before is None or rec.not_before <= ours + _SLACK:
+                return None
+        elif rec.not_before is not None and abs(rec.not_before - ours) <= _SLACK:
+            return None
+        return ours
+
+    def _early(self, view: TaskView, rec: LeaseRecord, sighting: Sighting | None) -> tuple[str, datetime] | None:
+        """(why, when it may start) when the claim that `rec` holds was first seen (by the
+        API server's clock) before its task was claimable: before spec.notBefore."""
+        if sighting is None or (sighting.epoch, sighting.state) != (rec.epoch, record.HELD):
+            return None
+        start = view.spec.not_before
+        if start is not None and sighting.at + _SLACK < start:
+            return f"claimed before spec.notBefore {timestamps.format_time(start)}", start
+        return None
+
+    def _report_malformed(self, task: JSON, rec: LeaseRecord) -> None:
+        """A Warning Event on the Task naming what could not be read: once per attempt and
+        kind of problem (our own write-back of the same Lease is not news)."""
+        key = (rec.namespace, rec.name)
+        with self._cond:
+            epoch, told = self._reported.get(key, (rec.epoch, frozenset()))
+            told = told if epoch == rec.epoch else frozenset()
+            if told.issuperset(rec.malformed):
+                return
+            self._reported[key] = (rec.epoch, told | set(rec.malformed))
+        self._announce(task, projection.Transition(
+            "Warning", "MalformedLease",
+            f"its Lease has fields that cannot be used ({', '.join(rec.malformed)}); they are ignored or cut"),
+            "", post=True)
 
     def _project(self, key: Key, entry: SlimTask, task: JSON, rec: LeaseRecord | None) -> None:
         """Step 3: write the status if it changed, then tell people what happened. `entry` is
@@ -514,7 +626,7 @@ class Reconciler:
                 wakes.append(mono + (when - now).total_seconds())
         with self._cond:
             if rec is not None and rec.state == record.HELD:
-                at = self._lease_clock.expires_at(key)
+                at = self._lease_clock.expires_at(key, view.spec.lease_duration_seconds)
                 if at is not None:
                     wakes.append(at)
             if view.spec.deadline is not None and (rec is None or rec.state != record.CLOSED):

@@ -95,7 +95,7 @@ def decode(lease: JSON) -> Member:
     try:
         took = tuple(str(n) for n in json.loads(ann.get(ANN_TOOK) or "[]"))
         holding = int(ann.get(ANN_HOLDING) or 0)
-    except (ValueError, TypeError):  # edited by hand: the agent still counts as a peer
+    except (ValueError, TypeError, RecursionError):  # edited by hand, or nested past the decoder: still a peer
         took, holding = (), 0
     return Member(name=meta["name"], holder=spec.get("holderIdentity") or "", took=took, holding=holding,
                   claiming=ann.get(ANN_CLAIMING) == "true",

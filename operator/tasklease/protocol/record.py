@@ -67,6 +67,8 @@ class LeaseRecord:
     # `tasklease retry` grants maxAttempts more claims from this epoch on; the epoch itself never goes back.
     budget_from: int = 0
     resource_version: str = ""
+    # What could not be read (`MALFORMED_REASONS`), left out or marked: see `decode`.
+    malformed: tuple[str, ...] = field(default=(), compare=False)
     raw: JSON = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -109,25 +111,92 @@ def short_uid(uid: str) -> str:
 
 def decode(lease: JSON, *, whole: bool = True) -> LeaseRecord:
     """`whole=False`: what a watcher judges a Lease by, for one that sees every change of a
-    queue: no history (only a claim writes it back), no result, and no raw object kept."""
-    meta = lease.get("metadata", {})
-    spec = lease.get("spec", {})
-    ann = meta.get("annotations") or {}
-    labels = meta.get("labels") or {}
-    owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == models.KIND]
-    history = _HISTORY.validate_json(ann.get(ANN_HISTORY) or "[]") if whole else ()
+    queue: no history (only a claim writes it back), no result, and no raw object kept.
+
+    Never fails on what a writer put in a field: a value that cannot be read (history that is
+    not JSON, an unknown outcome, a bad time or number) is left out, and `malformed` says
+    which (`MALFORMED_REASONS`); a value longer than the Task's status can hold is kept, and
+    marked. Readers carry on with the rest; the operator reports it."""
+    meta = lease.get("metadata") or {}
+    spec = lease.get("spec") or {}
+    ann = _strings(meta.get("annotations"))
+    labels = _strings(meta.get("labels"))
+    bad: list[str] = []
+    owners = [o for o in meta.get("ownerReferences") or [] if isinstance(o, dict) and o.get("kind") == models.KIND]
+    history = _history(ann.get(ANN_HISTORY, ""), bad) if whole else ()
+    outcome = ann.get(ANN_OUTCOME, "")
+    if outcome and outcome not in models.TERMINAL_PHASES:
+        bad.append("outcome")
+        outcome = ""
+    holder = str(spec.get("holderIdentity") or "")
+    reason, result, error = ann.get(ANN_REASON, ""), ann.get(ANN_RESULT, "") if whole else "", ann.get(ANN_ERROR, "")
+    if (len(holder) > MAX_HOLDER_CHARS or len(reason) > MAX_REASON_CHARS or len(result) > models.MAX_RESULT_BYTES
+            or len(error) > models.MAX_ERROR_CHARS):
+        bad.append("too-long")
     return LeaseRecord(
         name=meta["name"], namespace=meta["namespace"], queue=labels.get(LABEL_QUEUE, ""),
-        owner_uid=owners[0]["uid"] if owners else "",
-        holder=spec.get("holderIdentity") or "", epoch=int(spec.get("leaseTransitions") or 0),
-        duration_s=int(spec.get("leaseDurationSeconds") or _DEFAULT_DURATION_S),
-        acquired_at=parse_time(spec.get("acquireTime")), renewed_at=parse_time(spec.get("renewTime")),
-        outcome=ann.get(ANN_OUTCOME, ""), reason=ann.get(ANN_REASON, ""),
-        result=ann.get(ANN_RESULT, "") if whole else "",
-        error=ann.get(ANN_ERROR, ""), not_before=parse_time(ann.get(ANN_NOT_BEFORE)),
-        history=history, budget_from=int(ann.get(ANN_BUDGET_FROM) or 0),
-        resource_version=meta.get("resourceVersion", ""), raw=lease if whole else {},
+        owner_uid=str(owners[0].get("uid") or "") if owners else "",
+        holder=holder, epoch=_number(spec.get("leaseTransitions"), 0, bad),
+        duration_s=_number(spec.get("leaseDurationSeconds"), _DEFAULT_DURATION_S, bad) or _DEFAULT_DURATION_S,
+        acquired_at=_time(spec.get("acquireTime"), bad), renewed_at=_time(spec.get("renewTime"), bad),
+        outcome=outcome, reason=reason, result=result, error=error,
+        not_before=_time(ann.get(ANN_NOT_BEFORE), bad),
+        history=history, budget_from=_number(ann.get(ANN_BUDGET_FROM), 0, bad),
+        resource_version=str(meta.get("resourceVersion", "")), raw=lease if whole else {},
+        malformed=tuple(dict.fromkeys(bad)),
     )
+
+
+MALFORMED_REASONS: Final = ("history", "outcome", "timestamp", "number", "too-long")
+DROPPED_REASONS: Final = MALFORMED_REASONS[:4]  # left out by `decode`; "too-long" values are kept
+# What Task.status holds of a Lease's holder and reason (models.TaskStatus).
+MAX_HOLDER_CHARS: Final = int(models.TaskStatus.model_fields["holder"].metadata[0].max_length)
+MAX_REASON_CHARS: Final = int(models.TaskStatus.model_fields["reason"].metadata[0].max_length)
+
+
+def decode_history(text: str) -> tuple[models.Attempt, ...]:
+    """A history annotation; () when it cannot be read (the next claim writes a new one)."""
+    return _history(text, [])
+
+
+def _history(text: str, bad: list[str]) -> tuple[models.Attempt, ...]:
+    if not text:
+        return ()
+    try:
+        return _HISTORY.validate_json(text)
+    except ValueError:  # not JSON, not attempts, or nested past the parser's limit
+        bad.append("history")
+        return ()
+
+
+def _strings(value: object) -> dict[str, str]:
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _time(value: object, bad: list[str]) -> datetime | None:
+    try:
+        parsed = parse_time(value)
+    except (TypeError, ValueError):
+        bad.append("timestamp")
+        return None
+    if parsed is not None and parsed.tzinfo is None:
+        bad.append("timestamp")  # a time without a zone is nobody's clock
+        return None
+    return parsed
+
+
+def _number(value: object, default: int, bad: list[str]) -> int:
+    if value is None or value == "":
+        return default
+    try:
+        number = int(str(value))
+    except ValueError:
+        bad.append("number")
+        return default
+    if number < 0:
+        bad.append("number")
+        return default
+    return number
 
 
 def encode(rec: LeaseRecord) -> JSON:

@@ -173,6 +173,15 @@ def requeued(rec: LeaseRecord, spec: models.TaskSpec, *, outcome: str, message: 
     return ended(rec, outcome=outcome, now=now, message=message, not_before=not_before)
 
 
+def undone(rec: LeaseRecord, *, now: datetime, message: str, not_before: datetime | None) -> LeaseRecord:
+    """Take back a claim made while the task was not claimable: free again, waiting for
+    `not_before`, and the attempt not counted. Its epoch stays spent (a fencing token is
+    never handed out twice): budget-from moves up by one, so `maxAttempts` still allows
+    as many claims as before it."""
+    return replace(ended(rec, outcome="Undone", now=now, message=message, not_before=not_before),
+                   budget_from=rec.budget_from + 1)
+
+
 def why_not_retryable(task: TaskView, rec: LeaseRecord | None, now: datetime) -> str | None:
     """None when `tasklease retry` may give this finished task a fresh budget of attempts:
     only a Failed task (dead-lettered or failed for good). A Succeeded task never runs again

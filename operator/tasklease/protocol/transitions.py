@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import datetime
 
 from tasklease.api import errors, models
-from tasklease.api.timestamps import Clock, now_utc
+from tasklease.api.timestamps import Clock
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.protocol.record import (
     CLOSED,
+    FREE,
     HELD,
     LeaseRecord,
     decode,
@@ -44,6 +46,7 @@ from tasklease.protocol.rules import (
     fresh_record,
     requeued,
     retried,
+    undone,
     why_not_claimable,
     why_not_retryable,
 )
@@ -69,9 +72,11 @@ class Held:
 class Protocol:
     """The Lease transitions. Every method makes at most one write per attempt of it."""
 
-    def __init__(self, kube: Kube, *, clock: Clock = now_utc) -> None:
+    def __init__(self, kube: Kube, *, clock: Clock | None = None) -> None:
+        """`clock`: the API server's time (`Kube.now`) unless a test pins one: claimability is
+        judged against the times on the Task, which the API server's clock is the one to read."""
         self.kube = kube
-        self.clock = clock
+        self.clock = clock or kube.now
 
     # reads
 
@@ -155,6 +160,21 @@ class Protocol:
         return self._write(requeued(rec, task.spec, outcome="Expired", message=f"lease of {rec.holder} expired",
                                      now=self.clock(), backoff=True))
 
+    def undo(self, rec: LeaseRecord, why: str, *, not_before: datetime | None) -> LeaseRecord:
+        """held(A, E) → free, not counted (`rules.undone`): the operator takes back a claim made
+        while the task was not claimable by the server's clock. Conflict if the Lease moved."""
+        if rec.state != HELD:
+            raise errors.Invalid(f"lease {rec.namespace}/{rec.name} is {rec.state}, not held")
+        return self._write(undone(rec, now=self.clock(), message=f"claim by {rec.holder} undone: {why}",
+                                  not_before=not_before))
+
+    def reschedule(self, rec: LeaseRecord, not_before: datetime) -> LeaseRecord:
+        """free(nb) → free(not_before): the operator puts right a backoff end that a failing
+        holder wrote with its own clock. Conflict if the Lease moved (a claim came first)."""
+        if rec.state != FREE:
+            raise errors.Invalid(f"lease {rec.namespace}/{rec.name} is {rec.state}, not free")
+        return self._write(replace(rec, not_before=not_before))
+
     def requeue(self, task: TaskView, rec: LeaseRecord | None, message: str = "requeued") -> LeaseRecord:
         """held/free → free now, without backoff. Refused for closed leases (I4)."""
         if rec is None:
@@ -202,7 +222,8 @@ class Protocol:
 
     def repair(self, task: TaskView, rec: LeaseRecord) -> LeaseRecord:
         """Write `rec` back, labelled again from its Task: puts back the labels a hand edit
-        stripped, so that the watches (the operator's and the agents', by label) see it again."""
+        stripped, so that the watches (the operator's and the agents', by label) see it again;
+        and leaves out what `record.decode` could not read (its `malformed`)."""
         return self._write(replace(rec, queue=task.spec.queue))
 
     def _write(self, rec: LeaseRecord, *, create: bool = False, whole: bool = False,
