@@ -4,6 +4,7 @@ control plane, events fed to the view by hand, and time injected."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -80,7 +81,8 @@ tasks_and_leases = st.lists(st.tuples(names, st.sampled_from([0, 5]), st.boolean
 @given(tasks_and_leases, st.integers(0, 60))
 def test_a_lone_agent_is_offered_exactly_the_claimable_tasks_of_the_top_band(
         events: list[tuple[str, int, bool, int, int]], later_s: int) -> None:
-    view = QueueView(None, namespace="ns", queue="q", clock=lambda: 0.0)  # type: ignore[arg-type]  # no watch runs
+    server = SimpleNamespace(now=lambda: NOW)  # no watch runs: only the server's time is read
+    view = QueueView(server, namespace="ns", queue="q", clock=lambda: 0.0)  # type: ignore[arg-type]
     known: dict[str, tuple[TaskView, LeaseRecord | None]] = {}
     for name, priority, cancel, attempt, backoff_s in events:
         task = _task(name, priority, cancel and attempt > 0, attempt)
