@@ -2,21 +2,21 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
-LOCAL  := $(PY) -m tasklease.dev
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml tools/pyproject.toml | cksum | cut -d' ' -f1)
+LOCAL  := $(PY) -m tasklease_dev
 
 .PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench chaos generate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -e tools
 	rm -f $(VENV)/.installed-*; touch $@
 
-venv: $(STAMP) ## create the virtualenv and install tasklease with its test extra
+venv: $(STAMP) ## create the virtualenv; install tasklease (test extra) and the tools/ development package
 
 build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (and helm) once, cached outside the clone
 	$(LOCAL) build
@@ -39,10 +39,10 @@ e2e: build ## the chart on a real node: helm install, real pods, tasks, deletion
 generate: venv ## regenerate crds/, the chart's CRD and RBAC rules, and the README's layout, from their sources
 	$(PY) -m tasklease.api.crd
 	$(PY) -m tasklease.api.rbac
-	$(PY) -m tasklease.dev.layout README.md
+	$(PY) -m tasklease_dev.layout README.md
 
 lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
-	$(VENV)/bin/ruff check operator tests
+	$(VENV)/bin/ruff check operator tools tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
@@ -51,13 +51,13 @@ test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBEC
 	$(MAKE) e2e
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
-	$(PY) -m tasklease.dev.demo
+	$(PY) -m tasklease_dev.demo
 
 chaos: build ## 1,000 tasks, 6 agents, 2 operators under random kill -9/SIGSTOP/API-server faults; checks every invariant
-	$(PY) -m tasklease.dev.chaos $(CHAOS_ARGS)
+	$(PY) -m tasklease_dev.chaos $(CHAOS_ARGS)
 
 bench: build ## claim throughput and time-to-requeue, beside a baseline measured in the same run
-	$(PY) -m tasklease.dev.bench
+	$(PY) -m tasklease_dev.bench
 
 clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (binaries stay)
 	for w in .cache/test-cluster .cache/bench/cluster .cache/chaos/cluster; do \

@@ -25,9 +25,9 @@ import yaml
 
 from tasklease.api import errors
 from tasklease.kube import NAMESPACES, PODS, TASKS, Kube, Resource
-from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
-from tasklease.dev.crds import apply_crds
+from tasklease_dev import binaries
+from tasklease_dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
+from tasklease_dev.crds import apply_crds
 
 ROOT = Path(__file__).resolve().parent.parent
 

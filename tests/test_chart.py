@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tasklease.dev import binaries
+from tasklease_dev import binaries
 
 CHART = ROOT / "helm" / "tasklease"
 

@@ -43,7 +43,7 @@ def test_kubectl_get_tasks_shows_the_story_columns(cluster: Cluster, kube: Kube,
 
 
 def test_the_chart_lints_and_applies_to_a_real_api_server(cluster: Cluster, namespace: str) -> None:
-    from tasklease.dev import binaries
+    from tasklease_dev import binaries
 
     helm = str(binaries.ensure_helm())
     chart = str(ROOT / "helm" / "tasklease")

@@ -49,9 +49,9 @@ from typing import Any, TypeVar
 from tasklease.agent.sdk import Agent, ClaimedTask, Identity
 from tasklease.api import errors
 from tasklease.api.timestamps import parse_time
-from tasklease.dev import binaries
-from tasklease.dev.cluster import ClusterState, LocalCluster, free_port, namespaced_kubeconfig, proc_stat
-from tasklease.dev.crds import apply_crds
+from tasklease_dev import binaries
+from tasklease_dev.cluster import ClusterState, LocalCluster, free_port, namespaced_kubeconfig, proc_stat
+from tasklease_dev.crds import apply_crds
 from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import Held, Protocol, TaskView, record
@@ -84,7 +84,7 @@ TARGETS: list[tuple[str, str, str, Callable[[float], bool]]] = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasklease.dev.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tasklease_dev.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", default="1,4,8,16", help="agent counts for the throughput cases")
     parser.add_argument("--tasks", type=int, default=500, help="tasks per throughput case")
@@ -355,7 +355,7 @@ class _Workers:
                  seconds: float = 0.0, beside: dict[str, int] | None = None, measure: int = 0) -> None:
         self.mode, self.tasks, self.measure = mode, tasks, measure
         config = _namespace_config(kube, kubeconfig)
-        self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
+        self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease_dev.bench", "--worker", mode,
                                         "--kubeconfig", str(config), "--index", str(i), "--tasks", str(tasks),
                                         "--workers", str(workers), "--max-tasks", str(max_tasks),
                                         "--seconds", str(seconds)],

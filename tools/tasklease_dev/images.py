@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tasklease.dev.binaries import cache_root
+from tasklease_dev.binaries import cache_root
 
 PAUSE_IMAGE = "localhost/tasklease/pause:3.10"
 BASE_IMAGE = "localhost/tasklease/debian-python:bookworm"
