@@ -19,9 +19,9 @@ PACKAGE = ROOT / "operator" / "tasklease"
 _WRITES = {"create", "replace", "delete", "merge_patch"}
 
 
-def test_readme_layout_is_generated_from_the_tree() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert f"{layout.BEGIN}\n{layout.render()}\n{layout.END}" in readme, "README layout is stale: run `make generate`"
+def test_the_documented_layout_is_generated_from_the_tree() -> None:
+    doc = (ROOT / "docs" / "development.md").read_text()
+    assert f"{layout.BEGIN}\n{layout.render()}\n{layout.END}" in doc, "docs/development.md is stale: make generate"
 
 
 def test_every_package_is_a_layer_of_the_import_contracts() -> None:
@@ -31,9 +31,9 @@ def test_every_package_is_a_layer_of_the_import_contracts() -> None:
     assert packages == set(layout.LAYERS) == {name.strip() for layer in layers for name in layer.split("|")}
 
 
-def test_readme_exit_code_table_is_the_one_in_errors() -> None:
+def test_the_documented_exit_code_table_is_the_one_in_errors() -> None:
     table = "\n".join(f"| {code} | {meaning} |" for code, meaning in errors.exit_codes())
-    assert table in (ROOT / "README.md").read_text()
+    assert table in (ROOT / "docs" / "shell-agents.md").read_text()
 
 
 def test_only_the_protocol_writes_leases() -> None:

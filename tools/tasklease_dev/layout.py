@@ -1,7 +1,7 @@
-"""The README's layout section, made from the package trees and each docstring's first line.
+"""The layout section of docs/development.md, made from the package trees and each docstring's first line.
 
-`python -m tasklease_dev.layout` prints it; `make generate` writes it into README.md
-between the layout markers, and a test fails when the README's copy is stale.
+`python -m tasklease_dev.layout` prints it; `make generate` writes it into docs/development.md
+between the layout markers, and a test fails when that copy is stale.
 """
 
 from __future__ import annotations

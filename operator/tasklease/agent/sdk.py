@@ -390,7 +390,7 @@ class _RenewTurns:
 class _FirstTurns:
     """One thread per process waits for every claim's first renewal, and only then starts the
     claim's renew thread: most tasks end before it is due, and a thread started and ended
-    per claim cost about 0.4 ms of CPU per task (`make bench`, 16 agents). A claim that ended
+    per claim costs CPU on every task (`make bench` shows it). A claim that ended
     sooner has stopped following its Task already (`ClaimedTask._end_turns`); its turn is
     dropped at the thread's next wake-up, with every ended one before the first still held."""
 
