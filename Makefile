@@ -13,10 +13,10 @@ help: ## list the targets
 $(STAMP): pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]' -e tools
+	$(PY) -m pip install -q -e '.[operator,test]' -e tools
 	rm -f $(VENV)/.installed-*; touch $@
 
-venv: $(STAMP) ## create the virtualenv; install tasklease (test extra) and the tools/ development package
+venv: $(STAMP) ## create the virtualenv; install tasklease (operator and test extras) and tools/ (development)
 
 build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (and helm) once, cached outside the clone
 	$(LOCAL) build

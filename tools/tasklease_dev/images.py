@@ -135,9 +135,9 @@ def buildah_store() -> list[str]:
 
 
 def _source_digest(source: Path) -> str:
-    """What the image is built from: the Dockerfile, pyproject.toml, README.md and operator/."""
+    """What the image is built from: the Dockerfile, the files it copies and operator/."""
     digest = hashlib.sha256()
-    files = [source / "Dockerfile", source / "pyproject.toml", source / "README.md"]
+    files = [source / name for name in ("Dockerfile", "pyproject.toml", "README.md", "LICENSE", "constraints.txt")]
     files += sorted(p for p in (source / "operator").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p))
     for path in files:

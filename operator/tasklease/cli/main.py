@@ -212,7 +212,12 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
-    from tasklease.operator.controller import run_operator
+    try:
+        from tasklease.operator.controller import run_operator
+    except ModuleNotFoundError as exc:  # kopf or prometheus-client: the `operator` extra
+        if exc.name not in ("kopf", "prometheus_client"):
+            raise
+        raise errors.TaskleaseError(f"the operator needs {exc.name}: pip install 'tasklease[operator]'") from exc
 
     if getattr(args, "namespace", None) and not args.namespaces:  # `tasklease -n NS operator`
         args.namespaces = [args.namespace]
