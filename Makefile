@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml tools/pyproject.toml | cksum | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease_dev
 
-.PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench chaos generate clean
+.PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench chaos generate dist clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ chaos: build ## 1,000 tasks, 6 agents, 2 operators under random kill -9/SIGSTOP/
 
 bench: build ## claim throughput and time-to-requeue, beside a baseline measured in the same run
 	$(PY) -m tasklease_dev.bench
+
+dist: venv ## a release into dist/: wheel, sdist, chart, image (OCI archive, buildah), krew plugin, SHA256SUMS
+	$(PY) -m tasklease_dev.dist $(DIST_ARGS)
 
 clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (binaries stay)
 	for w in .cache/test-cluster .cache/bench/cluster .cache/chaos/cluster; do \

@@ -15,7 +15,9 @@ CHART = ROOT / "helm" / "tasklease"
 
 
 def _helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(binaries.ensure_helm()), *args], capture_output=True, text=True)
+    # Offline, `helm template` assumes an old Kubernetes, which the chart's kubeVersion refuses.
+    offline = ["--kube-version", binaries.KUBERNETES_VERSION] if args[0] == "template" else []
+    return subprocess.run([str(binaries.ensure_helm()), *args, *offline], capture_output=True, text=True)
 
 
 def render(*sets: str) -> list[dict[str, Any]]:

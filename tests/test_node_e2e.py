@@ -70,7 +70,8 @@ class E2E:
 
     def values(self, *, host_network: bool = True) -> list[str]:
         """The chart values for this cluster: on the local node, hostNetwork and loopback only."""
-        common = ["--set", f"metrics.port={self.metrics_port}"]
+        # The image `make node` builds (and kind loads): tasklease:dev, not a release's.
+        common = ["--set", f"metrics.port={self.metrics_port}", "--set", "image.tag=dev"]
         if self.apiserver_port is None or not host_network:
             return common
         return common + [

@@ -53,6 +53,7 @@ from tasklease.api.timestamps import parse_time
 from tasklease_dev import binaries
 from tasklease_dev.cluster import ClusterState, LocalCluster, free_port, namespaced_kubeconfig, proc_stat
 from tasklease_dev.crds import apply_crds
+from tasklease_dev.dist import revision
 from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import Held, Protocol, TaskView, record
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args: argparse.Namespace, state: ClusterState) -> int:
     root = Path.cwd()
     began = time.monotonic()
-    res: Results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(root),
+    res: Results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": revision(root, short=True),
                     "machine": _machine(), "kubernetes": state.version, "etcd_flags": "--unsafe-no-fsync"}
     out = Path(os.environ.get("BENCH_OUT") or root / "bench" / "results" / f"{res['date'][:10]}-{res['commit']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -948,14 +949,6 @@ def _report(res: Results, counts: list[int]) -> None:
         shown = "not run" if value is None else f"{value:.3f}" if value < 10 else f"{value:.0f}"
         verdict = "" if value is None or target == "-" else ("  met" if ok(value) else "  NOT met")
         print(f"{figure:48} {target:>8} {shown:>10}{verdict}")
-
-
-def _commit(root: Path) -> str:
-    """The commit measured, `-dirty` when the tree differs from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
-    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return f"{commit}-dirty" if git("status", "--porcelain", "--untracked-files=no") else commit
 
 
 def _machine() -> Results:
