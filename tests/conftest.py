@@ -133,7 +133,8 @@ def chart_roles(cluster: Cluster) -> dict[str, str]:
     """Render the Helm chart with the real helm and apply its cluster-wide parts (the
     ClusterRoles and the agents' admission policy): the suite runs the operator and the
     agents with exactly the permissions and rules the chart installs."""
-    rendered = subprocess.run([str(binaries.ensure_helm()), "template", RELEASE, str(ROOT / "helm" / "tasklease")],
+    rendered = subprocess.run([str(binaries.ensure_helm()), "template", RELEASE, str(ROOT / "helm" / "tasklease"),
+                               "--kube-version", binaries.KUBERNETES_VERSION],  # offline helm assumes an old one
                               check=True, capture_output=True, text=True).stdout
     kinds = ("ClusterRole", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
     wanted = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in kinds]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tasklease.api import errors, models
-from tasklease.cli import output
+from tasklease.cli import completion, output
 from tasklease.cli.common import first_line, kube_of
 from tasklease.cli.tasks import cmd_cancel, cmd_describe, cmd_get, cmd_list, cmd_requeue, cmd_retry, cmd_submit
 from tasklease.cli.work import cmd_claim, cmd_complete, cmd_fail, cmd_release, cmd_renew, cmd_run
@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
+    p = command("completion", "print the shell completion script for bash or zsh", cmd_completion,
+                "source <(tasklease completion bash)")
+    p.add_argument("shell", choices=sorted(completion.SHELLS))
+
     p = command("operator", "run the operator (kopf): status, expiry, requeue, dead letters, cleanup",
                 cmd_operator, "tasklease operator --namespace shop --no-leader-elect")
     from tasklease.operator.options import add_operator_arguments
@@ -209,6 +213,11 @@ def cmd_top(args: argparse.Namespace) -> int:
 
     kube = kube_of(args)
     return top.run(kube, namespace=None if args.all_namespaces else kube.namespace, once=args.once)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(completion.SHELLS[args.shell](build_parser()), end="")
+    return 0
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
