@@ -42,6 +42,7 @@ generate: venv ## regenerate crds/, the chart's CRD, RBAC rules and README, docs
 	$(PY) -m tasklease_dev.layout docs/development.md
 	$(PY) -m tasklease_dev.benchdoc
 	$(PY) -m tasklease_dev.chartdoc
+	$(PY) -m tasklease_dev.clidoc
 
 lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/ruff check operator tools tests

@@ -1,4 +1,4 @@
-"""The architecture holds: one home per rule, the README made from the tree, and the CLI
+"""The architecture holds: one home per rule, the documented layout made from the tree, and the CLI
 loading only what a command needs. Pure checks, except the one that runs `tasklease list`."""
 
 from __future__ import annotations

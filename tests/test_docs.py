@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
-from tasklease_dev import benchdoc
+from tasklease_dev import benchdoc, clidoc
 
 
 def test_the_readme_stays_short() -> None:
@@ -37,3 +40,9 @@ def test_a_result_file_is_shown_with_its_machine_commit_date_and_verdicts(tmp_pa
     assert "| writes per task, operator on, happy path | ≤ 3 | 4.000 | **not met** |" in latest
     assert "| 8 | 100.0 | 90.0 | 0.900 |" in latest
     assert "2026-01-01-aaaaaaaaaaaa.json" in earlier and "commit `aaaaaaaaaaaa`, Old CPU" in earlier
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 13), reason="argparse lays help out otherwise from 3.13; made on 3.11")
+def test_the_cli_reference_is_generated_from_the_parser() -> None:
+    assert clidoc.DOC.read_text() == clidoc.render(), "docs/cli.md is stale: make generate"
+    assert "## tasklease run" in clidoc.DOC.read_text()
