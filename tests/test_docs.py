@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from tasklease_dev import benchdoc, clidoc
+from tasklease_dev import benchdoc, clidoc, specdoc
 
 
 def test_the_readme_stays_short() -> None:
@@ -46,3 +46,9 @@ def test_a_result_file_is_shown_with_its_machine_commit_date_and_verdicts(tmp_pa
 def test_the_cli_reference_is_generated_from_the_parser() -> None:
     assert clidoc.DOC.read_text() == clidoc.render(), "docs/cli.md is stale: make generate"
     assert "## tasklease run" in clidoc.DOC.read_text()
+
+
+def test_the_task_reference_is_generated_from_the_crd() -> None:
+    text = specdoc.DOC.read_text()
+    assert text == specdoc.render(), "docs/task-reference.md is stale: make generate"
+    assert "| `spec.queue` | string (maxLength 63) | (required) |" in text and "`status.history`" in text
