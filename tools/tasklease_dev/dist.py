@@ -110,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_image:
         labels = {"VERSION": release, "REVISION": revision(), "SOURCE": SOURCE_URL,
                   "CREATED": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        images.build_release_image(ROOT, f"{IMAGE}:{release}", out / f"tasklease-image-{release}.oci.tar",
-                                   labels=labels)
+        archive = out / f"tasklease-image-{release}.oci.tar"
+        if shutil.which("buildah"):
+            images.build_release_image(ROOT, f"{IMAGE}:{release}", archive, labels=labels)
+        else:  # Docker: the same Dockerfile; `docker save` writes an OCI layout from Docker 25 on
+            docker = shutil.which("docker") or "docker"
+            subprocess.run([docker, "build", "-t", f"{IMAGE}:{release}",
+                            *(f"--build-arg={key}={value}" for key, value in labels.items()), str(ROOT)], check=True)
+            subprocess.run([docker, "save", "-o", str(archive), f"{IMAGE}:{release}"], check=True)
     plugin = plugin_archive(release, out)
     (out / "tasklease.krew.yaml").write_text(yaml.safe_dump(krew_manifest(release, _sha256(plugin)), sort_keys=False))
     sums = [f"{_sha256(path)}  {path.name}" for path in sorted(out.iterdir()) if path.is_file()]
