@@ -1,4 +1,5 @@
-# The operator and agent image: `docker build -t tasklease:dev .` (see README, "Run on kind").
+# The operator and agent image: `docker build -t tasklease:dev .`; `make dist` builds it with buildah
+# into dist/ as an OCI archive, with the build arguments below set.
 # `make node` builds this same file with buildah on a debootstrap'd Debian base:
 # --build-arg BASE_IMAGE=localhost/tasklease/debian-python:bookworm (no registry needed).
 # The default base is python:3.11-slim pinned by digest, so a build is reproducible.
@@ -8,18 +9,29 @@ FROM ${BASE_IMAGE} AS build
 # Only for builds behind an egress proxy with its own CA (unset otherwise; not kept in the image).
 ARG PIP_CERT
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY operator ./operator
 # A venv the runtime stage copies whole; dumb-init is the container's init (below).
 RUN python3 -m venv /opt/tasklease \
- && /opt/tasklease/bin/pip install --no-cache-dir --disable-pip-version-check . dumb-init==1.2.5.post1 \
+ && /opt/tasklease/bin/pip install --no-cache-dir --disable-pip-version-check -c constraints.txt '.[operator]' dumb-init \
  && /opt/tasklease/bin/pip uninstall -y -q pip setuptools
 
 FROM ${BASE_IMAGE}
+# Set by `make dist` (from pyproject.toml and git); the defaults say they were not.
 ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG CREATED=unknown
+ARG SOURCE=https://github.com/tasklease/tasklease
 LABEL org.opencontainers.image.title="tasklease" \
       org.opencontainers.image.description="Kubernetes-native task leases: the tasklease operator and agent runner" \
-      org.opencontainers.image.version="${VERSION}"
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.created="${CREATED}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.url="${SOURCE}" \
+      org.opencontainers.image.documentation="${SOURCE}/tree/main/docs" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.vendor="tasklease"
 COPY --from=build /opt/tasklease /opt/tasklease
 # A user that exists (kopf and getpass look the uid up); the chart runs as 65532:65532.
 RUN echo 'tasklease:x:65532:65532:tasklease:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \

@@ -2,21 +2,21 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
-LOCAL  := $(PY) -m tasklease.dev
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml tools/pyproject.toml | cksum | cut -d' ' -f1)
+LOCAL  := $(PY) -m tasklease_dev
 
-.PHONY: help venv build prometheus cluster cluster-down node node-down e2e lint unit unit-all test demo bench chaos generate clean
+.PHONY: help venv build prometheus cluster cluster-down node node-down e2e lint unit unit-all test demo bench chaos generate dist clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[operator,test]' -e tools
 	rm -f $(VENV)/.installed-*; touch $@
 
-venv: $(STAMP) ## create the virtualenv and install tasklease with its test extra
+venv: $(STAMP) ## create the virtualenv; install tasklease (operator and test extras) and tools/ (development)
 
 build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (and helm) once, cached outside the clone
 	$(LOCAL) build
@@ -41,13 +41,17 @@ node-down: venv ## remove the node and everything it changed on this machine (id
 e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
 	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
 
-generate: venv ## regenerate crds/, the chart's CRD and RBAC rules, and the README's layout, from their sources
+generate: venv ## regenerate crds/, the chart's CRD, RBAC and README, and docs/ (layout, benchmarks, CLI, task reference)
 	$(PY) -m tasklease.api.crd
 	$(PY) -m tasklease.api.rbac
-	$(PY) -m tasklease.dev.layout README.md
+	$(PY) -m tasklease_dev.layout docs/development.md
+	$(PY) -m tasklease_dev.benchdoc
+	$(PY) -m tasklease_dev.chartdoc
+	$(PY) -m tasklease_dev.clidoc
+	$(PY) -m tasklease_dev.specdoc
 
 lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
-	$(VENV)/bin/ruff check operator tests
+	$(VENV)/bin/ruff check operator tools tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
@@ -73,13 +77,16 @@ test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the test 
 	$(MAKE) e2e
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
-	$(PY) -m tasklease.dev.demo
+	$(PY) -m tasklease_dev.demo
 
 chaos: build ## 1,000 tasks, 6 agents, 2 operators under random kill -9/SIGSTOP/API-server faults; checks every invariant
-	$(PY) -m tasklease.dev.chaos $(CHAOS_ARGS)
+	$(PY) -m tasklease_dev.chaos $(CHAOS_ARGS)
 
 bench: build ## claim throughput and time-to-requeue, beside a baseline measured in the same run
-	$(PY) -m tasklease.dev.bench
+	$(PY) -m tasklease_dev.bench
+
+dist: venv ## a release into dist/: wheel, sdist, chart, image (OCI archive, buildah), krew plugin, SHA256SUMS
+	$(PY) -m tasklease_dev.dist $(DIST_ARGS)
 
 clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (binaries stay)
 	for w in .cache/test-cluster .cache/bench/cluster .cache/chaos/cluster; do \

@@ -25,9 +25,9 @@ import yaml
 
 from tasklease.api import errors
 from tasklease.kube import NAMESPACES, PODS, TASKS, Kube, Resource
-from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
-from tasklease.dev.crds import apply_crds
+from tasklease_dev import binaries
+from tasklease_dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
+from tasklease_dev.crds import apply_crds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,7 +133,8 @@ def chart_roles(cluster: Cluster) -> dict[str, str]:
     """Render the Helm chart with the real helm and apply its cluster-wide parts (the
     ClusterRoles and the agents' admission policy): the suite runs the operator and the
     agents with exactly the permissions and rules the chart installs."""
-    rendered = subprocess.run([str(binaries.ensure_helm()), "template", RELEASE, str(ROOT / "helm" / "tasklease")],
+    rendered = subprocess.run([str(binaries.ensure_helm()), "template", RELEASE, str(ROOT / "helm" / "tasklease"),
+                               "--kube-version", binaries.KUBERNETES_VERSION],  # offline helm assumes an old one
                               check=True, capture_output=True, text=True).stdout
     kinds = ("ClusterRole", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
     wanted = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in kinds]

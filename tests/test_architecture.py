@@ -1,4 +1,4 @@
-"""The architecture holds: one home per rule, the README made from the tree, and the CLI
+"""The architecture holds: one home per rule, the documented layout made from the tree, and the CLI
 loading only what a command needs. Pure checks, except the one that runs `tasklease list`."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 from conftest import ROOT, Cluster
 from tasklease import agent
 from tasklease.api import errors
-from tasklease.dev import layout
+from tasklease_dev import layout
 
 PACKAGE = ROOT / "operator" / "tasklease"
 _WRITES = {"create", "replace", "delete", "merge_patch"}
 
 
-def test_readme_layout_is_generated_from_the_tree() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert f"{layout.BEGIN}\n{layout.render()}\n{layout.END}" in readme, "README layout is stale: run `make generate`"
+def test_the_documented_layout_is_generated_from_the_tree() -> None:
+    doc = (ROOT / "docs" / "development.md").read_text()
+    assert f"{layout.BEGIN}\n{layout.render()}\n{layout.END}" in doc, "docs/development.md is stale: make generate"
 
 
 def test_every_package_is_a_layer_of_the_import_contracts() -> None:
@@ -31,17 +31,17 @@ def test_every_package_is_a_layer_of_the_import_contracts() -> None:
     assert packages == set(layout.LAYERS) == {name.strip() for layer in layers for name in layer.split("|")}
 
 
-def test_readme_exit_code_table_is_the_one_in_errors() -> None:
+def test_the_documented_exit_code_table_is_the_one_in_errors() -> None:
     table = "\n".join(f"| {code} | {meaning} |" for code, meaning in errors.exit_codes())
-    assert table in (ROOT / "README.md").read_text()
+    assert table in (ROOT / "docs" / "shell-agents.md").read_text()
 
 
 def test_only_the_protocol_writes_leases() -> None:
-    """Outside `tasklease.protocol` no code passes LEASES to a writing call. (`dev` is not
-    tasklease: its benchmark baselines measure raw Lease writes on purpose.)"""
+    """Outside `tasklease.protocol` no code passes LEASES to a writing call. (tools/tasklease_dev
+    is not tasklease: its benchmark baselines measure raw Lease writes on purpose.)"""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.parent.name in ("protocol", "dev"):
+        if path.parent.name == "protocol":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _WRITES
@@ -73,10 +73,10 @@ def test_help_and_list_do_not_load_the_operator(cluster: Cluster, namespace: str
 
 
 def test_a_module_run_as_a_script_defines_everything_before_it_runs() -> None:
-    """`python -m tasklease.dev.chaos` once called main() above a helper it needed: a
+    """`python -m tasklease_dev.chaos` once called main() above a helper it needed: a
     NameError the tests, which import the module, could never see."""
     late = []
-    for path in sorted((ROOT / "operator" / "tasklease").rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "tools").rglob("*.py")]):
         body = ast.parse(path.read_text()).body
         for i, node in enumerate(body):
             if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and i != len(body) - 1:

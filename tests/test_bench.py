@@ -2,7 +2,7 @@
 
 import pytest
 
-from tasklease.dev.bench import cpu_until
+from tasklease_dev.bench import cpu_until
 
 
 def test_a_workers_cpu_is_read_at_the_cases_end_between_its_marks() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasklease.dev import chaos
+from tasklease_dev import chaos
 
 
 @pytest.mark.skipif(bool(os.environ.get("TASKLEASE_KUBECONFIG")), reason="starts and kills its own control plane")

@@ -9,13 +9,15 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tasklease.dev import binaries
+from tasklease_dev import binaries
 
 CHART = ROOT / "helm" / "tasklease"
 
 
 def _helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(binaries.ensure_helm()), *args], capture_output=True, text=True)
+    # Offline, `helm template` assumes an old Kubernetes, which the chart's kubeVersion refuses.
+    offline = ["--kube-version", binaries.KUBERNETES_VERSION] if args[0] == "template" else []
+    return subprocess.run([str(binaries.ensure_helm()), *args, *offline], capture_output=True, text=True)
 
 
 def render(*sets: str) -> list[dict[str, Any]]:
@@ -74,7 +76,8 @@ def test_a_pdb_only_with_more_than_one_replica() -> None:
 
 def test_watch_namespaces_gives_roles_not_cluster_wide_rights() -> None:
     docs = render("operator.watchNamespaces={a,b}")
-    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
+    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")
+             if "helm.sh/hook" not in r["metadata"].get("annotations", {})}  # not `helm test`'s
     assert roles == {("a", "rel-operator"), ("b", "rel-operator"), ("ops", "rel-operator")}
     cluster = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == "rel-operator")
     assert {res for rule in cluster["rules"] for res in rule["resources"]} <= {"customresourcedefinitions",
@@ -113,3 +116,38 @@ def test_host_network_values_keep_the_pods_on_loopback() -> None:
     assert container["livenessProbe"]["httpGet"]["host"] == "127.0.0.1"
     default = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
     assert "hostNetwork" not in default and "host" not in default["containers"][0]["readinessProbe"]["httpGet"]
+
+
+def test_helm_test_checks_the_operator_and_a_task_round_trip_with_its_own_rights() -> None:
+    hooks = [d for d in render("hostNetwork=true", "apiServer.host=127.0.0.1", "apiServer.port=6443")
+             if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    assert sorted(d["kind"] for d in hooks) == ["Pod", "Role", "RoleBinding", "ServiceAccount"]
+    pod = by_kind(hooks, "Pod")[0]["spec"]
+    container = pod["containers"][0]
+    assert pod["serviceAccountName"] == "rel-operator-test" and pod["restartPolicy"] == "Never"
+    assert container["image"] == f"tasklease:{yaml.safe_load((CHART / 'Chart.yaml').read_text())['appVersion']}"
+    assert {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"} in container["env"] and pod["hostNetwork"]
+    script = container["args"][0]
+    compile(script, "helm-test", "exec")
+    assert "ready_replicas" in script and "agent.claim(" in script and "producer.wait(" in script
+    rules = by_kind(hooks, "Role")[0]["rules"]
+    assert {"apiGroups": ["tasklease.dev"], "resources": ["tasks"], "verbs": ["create", "delete"]} in rules
+
+
+def test_service_accounts_carry_their_annotations() -> None:
+    docs = render("operator.serviceAccount.annotations.team=ops",
+                  "agents.serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn=arn:aws:iam::1:role/agents",
+                  "agents.namespaces={a,b}")
+    accounts = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["metadata"].get("annotations", {})
+                for d in by_kind(docs, "ServiceAccount") if "helm.sh/hook" not in d["metadata"].get("annotations", {})}
+    assert accounts[("ops", "rel-operator")] == {"team": "ops"}
+    for ns in ("a", "b"):
+        assert accounts[(ns, "tasklease-agent")] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/agents"}
+
+
+def test_the_chart_readme_is_generated_from_values_yaml() -> None:
+    from tasklease_dev import chartdoc
+
+    assert (CHART / "README.md").read_text() == chartdoc.render(), "helm/tasklease/README.md is stale: make generate"
+    documented = {key for key, _, _ in chartdoc.rows((CHART / "values.yaml").read_text())}
+    assert {"image.tag", "operator.serviceAccount.annotations", "agents.serviceAccount.annotations"} <= documented

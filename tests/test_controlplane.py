@@ -16,8 +16,8 @@ import yaml
 from conftest import Cluster, make_task, wait_for
 from tasklease.api import errors
 from tasklease.kube import LEASES, PODS, Kube, Resource
-from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster, process_alive
+from tasklease_dev import binaries
+from tasklease_dev.cluster import LocalCluster, process_alive
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 CONFIGMAPS = Resource("", "v1", "configmaps")

@@ -43,12 +43,14 @@ def test_kubectl_get_tasks_shows_the_story_columns(cluster: Cluster, kube: Kube,
 
 
 def test_the_chart_lints_and_applies_to_a_real_api_server(cluster: Cluster, namespace: str) -> None:
-    from tasklease.dev import binaries
+    from tasklease_dev import binaries
 
     helm = str(binaries.ensure_helm())
     chart = str(ROOT / "helm" / "tasklease")
     subprocess.run([helm, "lint", chart], check=True, capture_output=True)
-    rendered = subprocess.run([helm, "template", "lint-check", chart, "--namespace", namespace],
+    rendered = subprocess.run([helm, "template", "lint-check", chart, "--namespace", namespace,
+                               "--kube-version", binaries.KUBERNETES_VERSION,
+                               "--skip-tests"],  # `helm test`'s Pod names a ServiceAccount a dry run never makes
                               check=True, capture_output=True, text=True).stdout
     applied = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered)
     assert "deployment.apps/lint-check-operator created (server dry run)" in applied.stdout

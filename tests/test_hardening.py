@@ -25,7 +25,7 @@ from tasklease.agent.cancel import _QueueFollower
 from tasklease.agent.runner import Runner
 from tasklease.agent.sdk import instance_gone
 from tasklease.api import errors, models
-from tasklease.dev.cluster import free_port
+from tasklease_dev.cluster import free_port
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.operator.controller import _serve_http
 from tasklease.operator.health import Health, WatchHealth

@@ -116,10 +116,11 @@ def _helm_template(*sets: str) -> list[dict[str, object]]:
     import yaml
 
     from conftest import ROOT
-    from tasklease.dev import binaries
+    from tasklease_dev import binaries
 
     args = [a for s in sets for a in ("--set", s)]
-    out = subprocess.run([str(binaries.ensure_helm()), "template", "t", str(ROOT / "helm" / "tasklease"), *args],
+    out = subprocess.run([str(binaries.ensure_helm()), "template", "t", str(ROOT / "helm" / "tasklease"), *args,
+                          "--kube-version", binaries.KUBERNETES_VERSION],
                          check=True, capture_output=True, text=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, wait_for
-from tasklease.dev import binaries, images, node
-from tasklease.dev.cluster import LocalCluster, free_port
+from tasklease_dev import binaries, images, node
+from tasklease_dev.cluster import LocalCluster, free_port
 
 pytestmark = [pytest.mark.skipif(not os.environ.get("TASKLEASE_E2E"), reason="real pods: run `make e2e`"),
               pytest.mark.timeout(600)]
@@ -70,7 +70,8 @@ class E2E:
 
     def values(self, *, host_network: bool = True) -> list[str]:
         """The chart values for this cluster: on the local node, hostNetwork and loopback only."""
-        common = ["--set", f"metrics.port={self.metrics_port}"]
+        # The image `make node` builds (and kind loads): tasklease:dev, not a release's.
+        common = ["--set", f"metrics.port={self.metrics_port}", "--set", "image.tag=dev"]
         if self.apiserver_port is None or not host_network:
             return common
         return common + [
@@ -155,12 +156,12 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
         before = _node_snapshot()
         cached = (binaries.kubernetes_bin_dir() / "kubelet").exists() and images.project_archive(ROOT).exists()
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "tasklease.dev", "node-up"], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "tasklease_dev", "node-up"], cwd=ROOT, check=True)
         make_node_s = time.monotonic() - t0
         state = local_node.running()
         assert state is not None, "make node did not leave a running node"
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "tasklease.dev", "node-up"], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "tasklease_dev", "node-up"], cwd=ROOT, check=True)
         again = local_node.running()
         assert again is not None and again.pids == state.pids, "a second `make node` must find the running one"
         run = E2E(kubeconfig=local.kubeconfig, apiserver_port=state.apiserver_port, metrics_port=free_port(),
@@ -181,7 +182,7 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
     finally:
         _clean(run)
         if run.node is not None and run.local is not None:
-            subprocess.run([sys.executable, "-m", "tasklease.dev", "node-down"], cwd=ROOT, check=False)
+            subprocess.run([sys.executable, "-m", "tasklease_dev", "node-down"], cwd=ROOT, check=False)
             if not was_running:
                 run.local.down()
         run.figures["make e2e"] = f"{time.monotonic() - started:.1f}s"
@@ -470,8 +471,8 @@ def test_node_down_leaves_nothing(e2e: E2E) -> None:
     # Pods ran in the node's cgroup, which the iptables rules match.
     assert node.node_cgroups() and node.node_mounts([e2e.node.workdir])
     for _ in range(2):  # idempotent
-        subprocess.run([sys.executable, "-m", "tasklease.dev", "node-down"], cwd=ROOT, check=True)
-    from tasklease.dev.cluster import process_alive
+        subprocess.run([sys.executable, "-m", "tasklease_dev", "node-down"], cwd=ROOT, check=True)
+    from tasklease_dev.cluster import process_alive
     assert not [name for name, pid in state.pids.items() if process_alive(pid)]
     assert not node.node_mounts([e2e.node.workdir, *node.HOST_LEAKS])
     assert not node.node_cgroups()

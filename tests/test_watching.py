@@ -9,7 +9,7 @@ import pytest
 
 from conftest import Cluster, wait_for
 from tasklease.api import errors
-from tasklease.dev.cluster import compact_etcd
+from tasklease_dev.cluster import compact_etcd
 from tasklease.kube import LEASES, JSON, Kube, Resource
 from tasklease.kube.watching import Reflector
 

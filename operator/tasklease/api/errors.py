@@ -2,7 +2,7 @@
 
 One class per answer the protocol must tell apart; never a bool or a string to parse.
 Each class carries its exit code and what it means; `exit_codes()` adds the codes that
-are not errors. The CLI's help is made from it and a test checks the README against it.
+are not errors. The CLI's help is made from it and a test checks docs/shell-agents.md against it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 from tasklease.api import errors, models
 from tasklease.api.build import version
-from tasklease.cli import output
+from tasklease.cli import completion, output
 from tasklease.cli.common import first_line, kube_of
 from tasklease.cli.tasks import cmd_cancel, cmd_describe, cmd_get, cmd_list, cmd_requeue, cmd_retry, cmd_submit
 from tasklease.cli.work import cmd_claim, cmd_complete, cmd_fail, cmd_release, cmd_renew, cmd_run
@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, claim no more and let running commands finish within --grace; exit 0")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
+    p = command("completion", "print the shell completion script for bash or zsh", cmd_completion,
+                "source <(tasklease completion bash)")
+    p.add_argument("shell", choices=sorted(completion.SHELLS))
+
     p = command("operator", "run the operator (kopf): status, expiry, requeue, dead letters, cleanup",
                 cmd_operator, "tasklease operator --namespace shop --no-leader-elect")
     from tasklease.operator.options import add_operator_arguments
@@ -215,8 +219,18 @@ def cmd_top(args: argparse.Namespace) -> int:
     return top.run(kube, namespace=None if args.all_namespaces else kube.namespace, once=args.once)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(completion.SHELLS[args.shell](build_parser()), end="")
+    return 0
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
-    from tasklease.operator.controller import run_operator
+    try:
+        from tasklease.operator.controller import run_operator
+    except ModuleNotFoundError as exc:  # kopf or prometheus-client: the `operator` extra
+        if exc.name not in ("kopf", "prometheus_client"):
+            raise
+        raise errors.TaskleaseError(f"the operator needs {exc.name}: pip install 'tasklease[operator]'") from exc
 
     if getattr(args, "namespace", None) and not args.namespaces:  # `tasklease -n NS operator`
         args.namespaces = [args.namespace]

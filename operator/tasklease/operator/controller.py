@@ -4,8 +4,8 @@ Choices, on purpose (see docs/operator.md):
 - Tasks and Leases, the two kinds that grow with the queue, are watched by our own
   `kube.watching.Reflector`s (paginated lists, identities only in their stores), not by
   kopf: kopf lists a kind in one answer and keeps every object it lists in a per-object
-  worker until that worker has been idle for seconds: about 11 KB per task (RSS at 10k
-  open tasks 177 MB through kopf, 87 MB this way: docs/operator.md has the measurements).
+  worker until that worker has been idle for seconds, which costs memory per task (`make
+  bench` measures the operator's memory at depth).
 - kopf runs the rest: login, the Pod and CRD watches, signals, its lifecycle. Only
   low-level `on.event` handlers: kopf stores no progress, adds no annotations and no
   finalizers (nothing blocks deleting a Task or a Lease while the operator is down).

@@ -1,11 +1,11 @@
 """What the operator keeps of a Task and of a Lease between events: a few fields and deflated JSON.
 
-Every Task and every Lease costs memory for as long as it exists, at every queue depth. As
-nested dicts a projected Task is about 3 KB; as compact JSON 840 bytes; deflated against a
-dictionary of what every Task has in common (keys, defaults, the two conditions) about 150.
-A closed Lease decoded into a `LeaseRecord` (datetimes, pydantic attempts) is about 2 KB;
-deflated the same way, a few hundred bytes. Both are inflated (microseconds) only when
-their task is reconciled. The dictionaries live in this process only: what they contain
+Every Task and every Lease costs memory for as long as it exists, at every queue depth.
+Nested dicts are the largest form of a projected Task, compact JSON smaller, and deflated
+against a dictionary of what every Task has in common (keys, defaults, the two conditions)
+smallest; the same holds for a closed Lease decoded into a `LeaseRecord` (datetimes,
+pydantic attempts). Both are inflated only when their task is reconciled (`make bench`
+measures the operator's memory at depth). The dictionaries live in this process only: what they contain
 changes how small an object gets, never what comes back.
 """
 

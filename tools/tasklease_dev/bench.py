@@ -16,7 +16,8 @@ Every figure is a ratio within one run on one control plane (the machine may be 
   at 100 tasks/s, its memory and backlog at 10,000 tasks; idle agents' wake-ups per
   renewal of leases they do not hold; time to requeue after SIGKILL; how long a cancel
   takes to reach its holder; etcd with and without fsync.
-Results are printed and written as JSON to $BENCH_OUT (default bench-results.json).
+Results are printed and written as JSON, with the machine, the commit and the date, to $BENCH_OUT
+(default bench/results/<date>-<commit>.json, which docs/benchmarks.md is generated from).
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ from typing import Any, TypeVar
 from tasklease.agent.sdk import Agent, ClaimedTask, Identity
 from tasklease.api import errors
 from tasklease.api.timestamps import parse_time
-from tasklease.dev import binaries
-from tasklease.dev.cluster import ClusterState, LocalCluster, free_port, namespaced_kubeconfig, proc_stat
-from tasklease.dev.crds import apply_crds
+from tasklease_dev import binaries
+from tasklease_dev.cluster import ClusterState, LocalCluster, free_port, namespaced_kubeconfig, proc_stat
+from tasklease_dev.crds import apply_crds
+from tasklease_dev.dist import revision
 from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import Held, Protocol, TaskView, record
@@ -84,7 +86,7 @@ TARGETS: list[tuple[str, str, str, Callable[[float], bool]]] = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasklease.dev.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tasklease_dev.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", default="1,4,8,16", help="agent counts for the throughput cases")
     parser.add_argument("--tasks", type=int, default=500, help="tasks per throughput case")
@@ -110,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     # A control plane of its own, fresh for each run and removed after it: what earlier work
-    # left in etcd and in the API server's memory weighs on every figure (a drain with 30k
-    # open measured 0.67 of the 500 drain on a cluster that had served a --full run, 1.00 on
-    # a fresh one).
+    # left in etcd and in the API server's memory weighs on every figure, the deep drains most.
     bench_dir = Path.cwd() / ".cache" / "bench"
     cluster = LocalCluster(bench_dir / "cluster", bench_dir / "kubeconfig")
     cluster.down()
@@ -125,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _bench(args: argparse.Namespace, state: ClusterState) -> int:
     root = Path.cwd()
-    out = Path(os.environ.get("BENCH_OUT") or "bench-results.json")
     began = time.monotonic()
+    res: Results = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": revision(root, short=True),
+                    "machine": _machine(), "kubernetes": state.version, "etcd_flags": "--unsafe-no-fsync"}
+    out = Path(os.environ.get("BENCH_OUT") or root / "bench" / "results" / f"{res['date'][:10]}-{res['commit']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     kubeconfig = Path(state.kubeconfig)
     apply_crds(kubeconfig=kubeconfig, folder=root / "crds")
-    res: Results = {"machine": _machine(), "kubernetes": state.version, "etcd_flags": "--unsafe-no-fsync"}
     _note(f"tasklease bench on {res['machine']['cpu_model']} ({res['machine']['nproc']} CPUs), "
           f"Kubernetes {state.version} on 127.0.0.1")
     counts = [int(n) for n in args.agents.split(",")]
@@ -355,7 +357,7 @@ class _Workers:
                  seconds: float = 0.0, beside: dict[str, int] | None = None, measure: int = 0) -> None:
         self.mode, self.tasks, self.measure = mode, tasks, measure
         config = _namespace_config(kube, kubeconfig)
-        self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease.dev.bench", "--worker", mode,
+        self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease_dev.bench", "--worker", mode,
                                         "--kubeconfig", str(config), "--index", str(i), "--tasks", str(tasks),
                                         "--workers", str(workers), "--max-tasks", str(max_tasks),
                                         "--seconds", str(seconds)],
@@ -457,8 +459,8 @@ def _run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks
 def _side_by_side(kubeconfig: Path, modes: Sequence[str], *, workers: int, tasks: int) -> dict[str, Results]:
     """The throughput cases of `modes` (floors, and "sdk": `tasks` tasks, `workers` workers),
     each in a namespace of its own, all made ready first, then run one right after another.
-    This machine's speed changes from one minute to the next (the raw floor alone has measured
-    109 to 422 tasks/s, and twice the CPU per task): a ratio of two rates is only as good as
+    A shared machine's speed changes from one minute to the next (the raw floor alone by a
+    factor of several): a ratio of two rates is only as good as
     their closeness in time, and setting a case up (its tasks, its workers, deleting the last
     one's namespace) takes longer than running it."""
     with contextlib.ExitStack() as stack:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from tasklease.api import resource
-from tasklease.dev.binaries import ensure_kubectl
+from tasklease_dev.binaries import ensure_kubectl
 
 
 def apply_crds(*, kubeconfig: Path, folder: Path, timeout_s: int = 60) -> None:

@@ -1,4 +1,4 @@
-"""`python -m tasklease.dev up|down|build|node-up|node-down`: the Makefile's entry to the local cluster."""
+"""`python -m tasklease_dev up|down|build|node-up|node-down`: the Makefile's entry to the local cluster."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster
-from tasklease.dev.crds import apply_crds
-from tasklease.dev.node import LocalNode
+from tasklease_dev import binaries
+from tasklease_dev.cluster import LocalCluster
+from tasklease_dev.crds import apply_crds
+from tasklease_dev.node import LocalNode
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tasklease.dev",
+        prog="python -m tasklease_dev",
         description="Run a real kube-apiserver, etcd and kube-controller-manager on 127.0.0.1.",
     )
     parser.add_argument("--workdir", type=Path, default=Path(".cache/cluster"),

@@ -34,8 +34,8 @@ from typing import Any
 
 from tasklease.api import errors
 from tasklease.api.timestamps import parse_time
-from tasklease.dev.cluster import LocalCluster, audit_files, free_port
-from tasklease.dev.crds import apply_crds
+from tasklease_dev.cluster import LocalCluster, audit_files, free_port
+from tasklease_dev.crds import apply_crds
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
 from tasklease.protocol import members, record
 
@@ -132,7 +132,7 @@ class Chaos:
         self.exec_log.write_text("")
         state = self.cluster.up()
         self.kubeconfig = state.kubeconfig
-        apply_crds(kubeconfig=Path(state.kubeconfig), folder=Path(__file__).resolve().parents[3] / "crds")
+        apply_crds(kubeconfig=Path(state.kubeconfig), folder=Path(__file__).resolve().parents[2] / "crds")
         self.kube = Kube.connect(kubeconfig=state.kubeconfig, namespace=NAMESPACE, pool_size=32)
         self.kube.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         poison = set(self.rng.sample(range(self.args.tasks), self.args.poison))
@@ -390,7 +390,7 @@ def _exec_log(path: Path) -> tuple[list[tuple[str, int, str]], set[tuple[str, in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tasklease.dev.chaos", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tasklease_dev.chaos", description=__doc__.splitlines()[0])
     p.add_argument("--tasks", type=int, default=1000)
     p.add_argument("--poison", type=int, default=10, help="tasks whose command always fails")
     p.add_argument("--agents", type=int, default=6)

@@ -1,7 +1,7 @@
 """One real node on the local control plane: containerd, a kubelet and kube-scheduler, loopback only.
 
 `make node` installs what is missing (Debian's containerd and runc, buildah, debootstrap,
-the CNI loopback plugin, iptables), builds the images (`tasklease.dev.images`), starts a
+the CNI loopback plugin, iptables), builds the images (`tasklease_dev.images`), starts a
 private containerd, imports the images, and joins a kubelet to the cluster `make cluster`
 runs. Pods use hostNetwork only. The node's processes run in its cgroups (`tasklease-node`,
 and the kubelet's `kubepods` for pods); iptables and ip6tables reject (and count) anything
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from tasklease.dev import binaries, images
-from tasklease.dev.cluster import (
+from tasklease_dev import binaries, images
+from tasklease_dev.cluster import (
     ClusterState,
     LocalCluster,
     admin_kubeconfig,

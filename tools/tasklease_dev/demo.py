@@ -19,9 +19,9 @@ from pathlib import Path
 from tasklease.api import errors, models
 from tasklease.protocol import record
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
-from tasklease.dev import binaries
-from tasklease.dev.cluster import LocalCluster, free_port
-from tasklease.dev.crds import apply_crds
+from tasklease_dev import binaries
+from tasklease_dev.cluster import LocalCluster, free_port
+from tasklease_dev.crds import apply_crds
 
 NAMESPACE = "tasklease-demo"
 QUEUE = "thumbnails"

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tasklease.dev.binaries import cache_root
+from tasklease_dev.binaries import cache_root
 
 PAUSE_IMAGE = "localhost/tasklease/pause:3.10"
 BASE_IMAGE = "localhost/tasklease/debian-python:bookworm"
@@ -111,8 +111,27 @@ def ensure_project_image(source: Path) -> Path:
     archive = project_archive(source)
     if archive.exists():
         return archive
-    base = ensure_base()
     _log("building the project image from the Dockerfile with buildah...")
+    _bud(source, PROJECT_IMAGE, ensure_base())
+    for stale in images_dir().glob("tasklease-*.tar"):
+        stale.unlink()
+    return _archive(PROJECT_IMAGE, archive)
+
+
+def build_release_image(source: Path, image: str, archive: Path, *, labels: dict[str, str]) -> Path:
+    """The project's image for a release, as an OCI archive: the Dockerfile on `base` (the
+    Debian base unless $DIST_BASE_IMAGE names another in buildah's store), its labels'
+    build arguments set."""
+    base = os.environ.get("DIST_BASE_IMAGE") or ensure_base()
+    _log(f"building {image} from the Dockerfile with buildah on {base}...")
+    _bud(source, image, base, *(f"--build-arg={key}={value}" for key, value in labels.items()))
+    archive.unlink(missing_ok=True)
+    _buildah("push", "-q", image, f"oci-archive:{archive}:{image}")
+    return archive
+
+
+def _bud(source: Path, image: str, base: str, *build_args: str) -> None:
+    """`buildah bud` of the project's Dockerfile on `base`, tagged `image`."""
     # PyPI is reached through the host's network (buildah's default RUN network is a
     # bridge), and possibly through an egress proxy whose CA only the host's bundle has.
     ca_bundle = "/etc/ssl/certs/ca-certificates.crt"
@@ -121,11 +140,8 @@ def ensure_project_image(source: Path) -> Path:
                   if k.lower() in ("http_proxy", "https_proxy", "no_proxy", "pip_index_url")]
     _buildah("bud", "-q", "--pull=never", "--network", "host", "--layers=false",
              f"--build-arg=BASE_IMAGE={base}", *proxy_args, *mounts,
-             *([f"--build-arg=PIP_CERT={ca_bundle}"] if mounts else []),
-             "-t", PROJECT_IMAGE, "-f", str(source / "Dockerfile"), str(source))
-    for stale in images_dir().glob("tasklease-*.tar"):
-        stale.unlink()
-    return _archive(PROJECT_IMAGE, archive)
+             *([f"--build-arg=PIP_CERT={ca_bundle}"] if mounts else []), *build_args,
+             "-t", image, "-f", str(source / "Dockerfile"), str(source))
 
 
 def buildah_store() -> list[str]:
@@ -135,9 +151,9 @@ def buildah_store() -> list[str]:
 
 
 def _source_digest(source: Path) -> str:
-    """What the image is built from: the Dockerfile, pyproject.toml, README.md and operator/."""
+    """What the image is built from: the Dockerfile, the files it copies and operator/."""
     digest = hashlib.sha256()
-    files = [source / "Dockerfile", source / "pyproject.toml", source / "README.md"]
+    files = [source / name for name in ("Dockerfile", "pyproject.toml", "README.md", "LICENSE", "constraints.txt")]
     files += sorted(p for p in (source / "operator").rglob("*")
                     if p.is_file() and "__pycache__" not in p.parts and ".egg-info" not in str(p))
     for path in files:

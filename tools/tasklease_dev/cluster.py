@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from tasklease.dev import binaries
+from tasklease_dev import binaries
 
 ADMIN_USER = "tasklease-admin"
 _STATE_FILE = "cluster.json"
