@@ -36,9 +36,10 @@ node-down: venv ## remove the node and everything it changed on this machine (id
 e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
 	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
 
-generate: venv ## regenerate crds/, the chart's CRD and RBAC rules, and the README's layout, from their sources
+generate: venv ## regenerate crds/, the chart's CRD, RBAC rules and admission policy, and the README's layout, from their sources
 	$(PY) -m tasklease.api.crd
 	$(PY) -m tasklease.api.rbac
+	$(PY) -m tasklease.protocol.policy
 	$(PY) -m tasklease.dev.layout README.md
 
 lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
