@@ -198,6 +198,9 @@ def _common() -> list[dict[str, str]]:
                     "an agent may only name its own pod's uid in its holder identity"),
         _validation("variables.oldHolder == '' || variables.oldHolder.startsWith(variables.pod + '/')",
                     "this lease is held by another pod"),
+        _validation(f"size(variables.newHolder) <= {_bound(models.TaskStatus, 'holder', 'max_length')}",
+                    "holderIdentity is longer than Task.status.holder allows "
+                    f"({_bound(models.TaskStatus, 'holder', 'max_length')} characters)"),
     ]
 
 
