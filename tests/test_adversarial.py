@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Cluster, agent_pod_kubeconfig, make_task, wait_for
+from conftest import AGENT_SA, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
 from tasklease.agent import Agent, Identity
 from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
@@ -32,11 +32,13 @@ pytestmark = pytest.mark.adversarial
 
 @dataclass
 class Arena:
-    """One namespace with two agent pods, alice and bob, and an admin."""
+    """One namespace with two agent pods, alice and bob, and an admin; `unbound`: the agents'
+    ServiceAccount with a token bound to no Pod (a stolen or hand-made one)."""
 
     admin: Kube
     alice: Kube
     bob: Kube
+    unbound: Kube
     alice_holder: str
     bob_holder: str
     alice_uid: str
@@ -74,7 +76,9 @@ def arena(cluster: Cluster, chart_roles: dict[str, str], tmp_path_factory: pytes
              for p in ("alice", "bob")}
     uids = {p: admin.get(PODS, p)["metadata"]["uid"] for p in kubes}
     holders = {p: Identity(pod=p, instance="1", pod_uid=record.short_uid(uids[p])).holder for p in kubes}
-    found = Arena(admin=admin, alice=kubes["alice"], bob=kubes["bob"], alice_holder=holders["alice"],
+    unbound = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA,
+                                                                     chart_roles["agent"], tmp)))
+    found = Arena(admin=admin, alice=kubes["alice"], bob=kubes["bob"], unbound=unbound, alice_holder=holders["alice"],
                   bob_holder=holders["bob"], alice_uid=uids["alice"], namespace=namespace)
     # The policy is loaded asynchronously, and the API server's caches learn the agents'
     # bindings and Pods: wait until a forged write is refused by the policy itself.
@@ -125,6 +129,17 @@ def claim_of(arena: Arena, view: TaskView, claimer: str, **change: Any) -> recor
 def attempt(n: int, holder: str, **fields: Any) -> models.Attempt:
     """An attempt as it would be written, even beyond the model's limits (as a hostile writer may)."""
     return models.Attempt.model_construct(attempt=n, holder=holder, claimed_at=now_utc(), **fields)
+
+
+def test_a_token_bound_to_no_pod(arena: Arena) -> None:
+    view = arena.task()
+    refused(create(arena.unbound, claim_of(arena, view, "bob/1")), "must authenticate with a token bound to their Pod")
+
+
+def test_naming_another_pods_uid_in_my_holder(arena: Arena) -> None:
+    view = arena.task()
+    posing = arena.bob_holder.rpartition("@")[0] + "@" + record.short_uid(arena.alice_uid)
+    refused(create(arena.bob, claim_of(arena, view, posing)), "only name its own pod's uid")
 
 
 # -- forged completions --------------------------------------------------------------------------
