@@ -307,6 +307,12 @@ def test_moving_the_lease_to_another_queue(arena: Arena) -> None:
     refused(put(arena.alice, held.record, queue="elsewhere"), "tasklease.dev/queue cannot change")
 
 
+def test_a_queue_label_that_names_no_queue(arena: Arena) -> None:
+    view = arena.task()
+    refused(create(arena.bob, claim_of(arena, view, arena.bob_holder, queue="Not_A_Queue")),
+            "the label tasklease.dev/queue must name the Task's queue")
+
+
 def test_claiming_with_a_state_label_that_hides_the_claim(arena: Arena) -> None:
     free = arena.free()
     lease = arena.raw(free.name)
@@ -388,6 +394,12 @@ def test_a_result_longer_than_the_status_allows(arena: Arena) -> None:
     held = arena.held()
     refused(put(arena.alice, held.record, holder="", outcome="Succeeded", reason="Completed",
                 result="r" * (models.MAX_RESULT_BYTES + 1)), "longer than Task.status.result allows")
+
+
+def test_a_result_without_a_success(arena: Arena) -> None:
+    held = arena.held()
+    refused(put(arena.alice, held.record, holder="", outcome="Failed", reason="Failed", result="half done"),
+            "only a close as Succeeded carries a result")
 
 
 def test_an_error_longer_than_the_status_allows(arena: Arena) -> None:
@@ -474,6 +486,11 @@ def test_a_member_lease_posing_as_a_task_lease(arena: Arena) -> None:
     body = member_body(arena, arena.bob_holder)
     body["metadata"]["labels"][record.LABEL_MANAGED] = "tasklease"
     refused(lambda: arena.bob.create(LEASES, body), "a member Lease cannot carry app.kubernetes.io/managed-by")
+
+
+def test_a_member_lease_of_no_queue(arena: Arena) -> None:
+    body = member_body(arena, arena.bob_holder, queue="Not_A_Queue")
+    refused(lambda: arena.bob.create(LEASES, body), "the label tasklease.dev/agent-of must name a queue")
 
 
 def test_writing_another_agents_member_lease(arena: Arena) -> None:
