@@ -84,7 +84,7 @@ def arena(cluster: Cluster, chart_roles: dict[str, str], tmp_path_factory: pytes
     # bindings and Pods: wait until a forged write is refused by the policy itself.
     probe = record.encode(record.LeaseRecord(name="probe", namespace=namespace, queue="q", owner_uid="x",
                                              holder="mallory/1", epoch=1))
-    wait_for(lambda: "own pod's name" in _refusal(lambda: found.bob.create(LEASES, probe)),
+    wait_for(lambda: "denied request" in _refusal(lambda: found.bob.create(LEASES, probe)),
              timeout=30, message="the admission policy to be active")
     yield found
     root.delete(NAMESPACES, namespace)
@@ -491,6 +491,20 @@ def test_a_member_lease_posing_as_a_task_lease(arena: Arena) -> None:
 def test_a_member_lease_of_no_queue(arena: Arena) -> None:
     body = member_body(arena, arena.bob_holder, queue="Not_A_Queue")
     refused(lambda: arena.bob.create(LEASES, body), "the label tasklease.dev/agent-of must name a queue")
+
+
+def test_a_member_lease_that_says_maybe(arena: Arena) -> None:
+    body = member_body(arena, arena.bob_holder)
+    body["metadata"]["annotations"][members.ANN_CLAIMING] = "maybe"
+    refused(lambda: arena.bob.create(LEASES, body), "tasklease.dev/claiming must be true or false")
+
+
+def test_a_member_lease_that_drops_its_pod(arena: Arena) -> None:
+    pod = arena.admin.get(PODS, "bob")["metadata"]
+    written = arena.bob.create(LEASES, member_body(arena, arena.bob_holder, queue="dropped",
+                                                   owner=(pod["name"], pod["uid"])))
+    del written["metadata"]["ownerReferences"]  # it would outlive its Pod
+    refused(put_raw(arena.bob, written), "the ownerReferences of a member Lease cannot change")
 
 
 def test_writing_another_agents_member_lease(arena: Arena) -> None:
