@@ -41,9 +41,10 @@ node-down: venv ## remove the node and everything it changed on this machine (id
 e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
 	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
 
-generate: venv ## regenerate crds/, the chart's CRD, RBAC and README, and docs/ (layout, benchmarks, CLI, task reference)
+generate: venv ## regenerate crds/, the chart's CRD, RBAC, admission policy and README, and docs/ (layout, benchmarks, CLI, task reference)
 	$(PY) -m tasklease.api.crd
 	$(PY) -m tasklease.api.rbac
+	$(PY) -m tasklease.protocol.policy
 	$(PY) -m tasklease_dev.layout docs/development.md
 	$(PY) -m tasklease_dev.benchdoc
 	$(PY) -m tasklease_dev.chartdoc

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import copy
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from conftest import AGENT_SA, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
+from conftest import AGENT_SA, ROOT, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
+from tasklease.dev import binaries
 from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, PODS, TASKS, Kube
-from tasklease.protocol import TaskView
+from tasklease.protocol import TaskView, policy
 from tasklease.protocol.rules import Blocker, blocker
 
 def _agent_pod(cluster: Cluster, namespace: str, name: str, role: str, tmp_path: Path) -> Kube:
@@ -108,3 +111,27 @@ def _refusal(write: Any) -> str:
     except errors.TaskleaseError as exc:
         return str(exc)
     return ""
+
+
+def test_the_chart_policy_is_generated_from_the_models() -> None:
+    """The checked-in policy is what `make generate` writes: its limits are the Task schema's."""
+    assert policy.target(ROOT).read_text() == policy.render(), "stale: run `make generate`"
+
+
+def test_helm_template_shows_the_policy_by_default() -> None:
+    def rendered(*sets: str) -> list[dict[str, Any]]:
+        argv = [str(binaries.ensure_helm()), "template", "rel", str(ROOT / "helm" / "tasklease"), "-n", "ops"]
+        out = subprocess.run([*argv, *[a for s in sets for a in ("--set", s)]], check=True, capture_output=True,
+                             text=True).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+    docs = rendered()
+    found = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+    assert len(found) == 1 and found[0]["spec"]["failurePolicy"] == "Fail"
+    binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": "rel-agent-protocol", "validationActions": ["Deny"]}
+    # Matched by who writes, never by a label of the Lease, which its writer controls.
+    assert "objectSelector" not in found[0]["spec"]["matchConstraints"]
+    election = [v["expression"] for v in found[0]["spec"]["validations"] if "election" in v["message"]]
+    assert election and "request.namespace == 'ops'" in election[0]
+    assert not [d for d in rendered("agents.enforceProtocol=false") if d["kind"].startswith("ValidatingAdmission")]

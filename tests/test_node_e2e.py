@@ -289,6 +289,38 @@ def test_tasks_applied_with_kubectl_all_succeed(e2e: E2E) -> None:
         assert {pod for pod, _ in holders} <= agent_writers, writers
 
 
+# A hostile agent's forged completion, sent from inside an agent pod with its own mounted token.
+_FORGE = """
+import sys
+from tasklease.api import errors
+from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.protocol import record
+kube = Kube.connect()
+task = kube.get(TASKS, sys.argv[1])
+forged = record.LeaseRecord(name=sys.argv[1], namespace=task["metadata"]["namespace"], queue=task["spec"]["queue"],
+                            owner_uid=task["metadata"]["uid"], epoch=1, outcome="Succeeded", reason="Completed",
+                            result="forged")
+try:
+    kube.create(LEASES, record.encode(forged))
+    print("ACCEPTED")
+except errors.TaskleaseError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_a_forged_completion_from_a_real_agent_pod_is_refused(e2e: E2E) -> None:
+    """docs/security.md: an agent cannot close a task it never claimed, whatever it sends."""
+    task = yaml.safe_load((ROOT / "examples" / "task.yaml").read_text())
+    task["metadata"] = {"name": "never-run"}
+    task["spec"]["queue"] = "nobody-works-here"
+    e2e.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(task))
+    pod = e2e.ready_pods(NS, f"app.kubernetes.io/name={AGENTS}")[0]["metadata"]["name"]
+    said = e2e.kubectl("exec", "-n", NS, pod, "--", "python3", "-c", _FORGE, "never-run")
+    assert said.startswith("REFUSED") and "only to claim it" in said, said
+    assert e2e.json("leases", "-n", NS, "--field-selector", "metadata.name=never-run")["items"] == []
+    assert e2e.task("never-run").get("status", {}).get("phase", "Pending") == "Pending"
+
+
 def _claimed(e2e: E2E, name: str) -> str:
     def holder() -> str:
         status = e2e.task(name).get("status", {})

@@ -22,9 +22,10 @@ than the task's own writes). Instead each agent at work keeps a member Lease of 
 - `leaseDurationSeconds`: a member not seen written for that long is gone.
 
 Member Leases are not task Leases: labelled `tasklease.dev/agent-of=<queue>`, never
-`app.kubernetes.io/managed-by=tasklease`, so the operator, the admission policy and the task
-watches never see them. Only its agent writes one, so a write is conditional on the agent's
-own last resourceVersion. In a Pod a member Lease is owned by the Pod and goes with it.
+`app.kubernetes.io/managed-by=tasklease`, so the operator and the task watches never see
+them. Only its agent writes one (the chart's admission policy, `policy`, refuses any other
+writer and bounds what it says), so a write is conditional on the agent's own last
+resourceVersion. In a Pod a member Lease is owned by the Pod and goes with it.
 """
 
 from __future__ import annotations
