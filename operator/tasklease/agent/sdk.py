@@ -179,7 +179,8 @@ class ClaimedTask:
                 method(why)
         # A claim handed over to another process (`tasklease claim`) is not followed here.
         self._following = follow_task(protocol.kube, namespace=held.namespace, queue=held.spec.queue,
-                                      name=held.name, uid=held.uid, on_cancel=on_cancel) if follow else None
+                                      name=held.name, uid=held.uid, on_cancel=on_cancel,
+                                      epoch=held.epoch) if follow else None
         _FIRST_TURNS.add(time.monotonic() + held.duration_s / RENEWS_PER_DURATION,
                          _RenewTurns(weakref.ref(self), self._stop, held.duration_s, self._following, held.name))
 

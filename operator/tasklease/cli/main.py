@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", action="store_true", help="keep taking tasks until stopped")
     p.add_argument("--wait", type=float, help="seconds to wait for a task (default: once: none; --loop: forever)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="stop the command (SIGTERM, SIGKILL after --grace) once it has run this long and fail "
+                        "the attempt with reason AttemptTimedOut (default: the Task's attemptTimeoutSeconds; "
+                        "none if it has none)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
     p = command("operator", "run the operator (kopf): status, expiry, requeue, dead letters, cleanup",

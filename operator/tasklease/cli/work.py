@@ -72,10 +72,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
+    if args.timeout is not None and args.timeout <= 0:
+        raise errors.Invalid(f"--timeout must be more than 0 seconds (got {args.timeout:g})")
     kube = kube_of(args)
     agent = Agent(kube, identity=Identity.from_environment())
     with _no_such_namespace_is_not_found(kube):
-        return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace).run(loop=args.loop, wait_s=args.wait)
+        return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace,
+                      timeout_s=args.timeout).run(loop=args.loop, wait_s=args.wait)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from tasklease.api import models
 from tasklease.api.timestamps import parse_time
 from tasklease.protocol import LeaseRecord, record
 from tasklease.api.models import Condition, Phase, TaskStatus
@@ -145,4 +146,4 @@ def transitions(old: TaskStatus, new: TaskStatus) -> list[Transition]:
     return out
 
 
-_ATTEMPT_EVENTS = ("Expired", "Failed", "Released")
+_ATTEMPT_EVENTS = ("Expired", "Failed", "Released", models.ATTEMPT_TIMED_OUT)

@@ -31,7 +31,7 @@ from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
-from tasklease.operator import cleanup, metrics, projection
+from tasklease.operator import cleanup, metrics, projection, timeouts
 from tasklease.operator.claimable import Waits
 from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
@@ -58,7 +58,7 @@ class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] = timestamps.now_utc,
                  component: str = "tasklease-operator", default_ttl_s: int | None = None, coalesce_s: float = 0.0,
-                 happy_events: bool = False) -> None:
+                 happy_events: bool = False, attempt_timeout_s: int | None = None) -> None:
         self.kube = kube
         self.namespaces = namespaces  # None: all
         self.protocol = Protocol(kube, clock=clock)
@@ -79,6 +79,7 @@ class Reconciler:
         self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
         self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic, grace_s=grace_s)
+        self._attempts: timeouts.AttemptClock[Key] = timeouts.AttemptClock(monotonic, default_s=attempt_timeout_s)
         self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
         self._pending: OrderedDict[Key, None] = OrderedDict()
         self._soon: deque[tuple[float, Key]] = deque()  # coalescing: (due, key), in due order
@@ -145,12 +146,14 @@ class Reconciler:
         if kind == "DELETED":
             self._leases.pop(key, None)
             self._lease_clock.forget(key)
+            self._attempts.forget(key)
             return
         self._cache(key, rec)
 
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
         """Caller holds the lock."""
         self._leases[key] = slim_lease(rec)
+        self._attempts.observe(key, rec)  # an attempt's timeout runs from when we first see its claim
         if rec.state == record.HELD:
             # The moment we first see this version is what expiry is measured from.
             self._lease_clock.observe(key, rec.resource_version, rec.duration_s)
@@ -396,7 +399,11 @@ class Reconciler:
             timed_out = self._lease_clock.expired(key, rec.resource_version)
             silent = self._lease_clock.silent_for(key)
         if not (pod_gone or timed_out):
-            return rec
+            with self._cond:
+                overran = self._attempts.overran(key, rec, view.spec)
+            if overran is None:
+                return rec
+            return self._remember(rec, timeouts.time_out(self.protocol, view, rec, overran, self._attempts.default_s))
         cause = "pod-gone" if pod_gone else "timeout"
         written = self.protocol.expire(view, rec)
         metrics.EXPIRATIONS.labels(view.namespace, view.spec.queue, cause).inc()
@@ -517,6 +524,8 @@ class Reconciler:
                 at = self._lease_clock.expires_at(key)
                 if at is not None:
                     wakes.append(at)
+                if (due := self._attempts.due_at(key, rec, view.spec)) is not None:
+                    wakes.append(due)
             if view.spec.deadline is not None and (rec is None or rec.state != record.CLOSED):
                 wakes.append(self.monotonic() + max((view.spec.deadline - self.clock()).total_seconds(), 0.0))
             if wakes:
