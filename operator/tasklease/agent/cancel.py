@@ -88,7 +88,8 @@ class _QueueFollower:
             self._end(name, uid, f"task {self.key[1]}/{name} was deleted")
         elif (live.get("spec") or {}).get("cancel"):
             self._end(name, uid, f"task {self.key[1]}/{name} was cancelled")
-        # else finished meanwhile: its holder hears it from the Lease at its next renewal
+        else:  # finished meanwhile: by someone else (a last attempt timed out), or by its holder
+            self._attempt_ended(name, uid, live.get("status") or {})
 
     def _end(self, name: str, uid: str, why: str) -> None:
         with _lock:
