@@ -11,12 +11,17 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import argparse
+
+import pytest
+
 from conftest import Cluster, Operator, make_task, tasklease_cmd, wait_for
+from test_chart import _helm, by_kind, render, CHART
 from tasklease.agent import Agent
 from tasklease.agent.cancel import attempt_over
 from tasklease.api import errors, models
 from tasklease.kube import EVENTS, LEASES, TASKS, Kube
-from tasklease.operator import projection
+from tasklease.operator import options, projection
 from tasklease.operator.timeouts import AttemptClock, limit_s
 from tasklease.protocol import record
 from tasklease.protocol.rules import TaskView, claimed, requeued
@@ -147,6 +152,24 @@ def test_the_holder_hears_its_attempt_ended_by_someone_else_but_not_an_older_att
     assert attempt_over({"attempt": 3, "history": [{"attempt": 3}]}, 3) is None  # running
     assert attempt_over({"attempt": 4, "history": []}, 3) == "attempt 4 started after attempt 3"
     assert attempt_over(timed_out, 0) is None  # no epoch given: only cancel and deletion end it
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_the_operators_default_comes_from_a_flag_and_the_charts_value_and_zero_is_refused() -> None:
+    parser = argparse.ArgumentParser()
+    options.add_operator_arguments(parser)
+    assert parser.parse_args([]).attempt_timeout is None
+    with pytest.raises(errors.Invalid, match="--attempt-timeout must be at least 1 second"):
+        options.validate(parser.parse_args(["--attempt-timeout", "0"]))
+
+    def args(*sets: str) -> list[str]:
+        return list(by_kind(render(*sets), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert not [a for a in args() if a.startswith("--attempt-timeout")]
+    assert "--attempt-timeout=600" in args("operator.attemptTimeoutSeconds=600")
+    refused = _helm("template", "rel", str(CHART), "--set", "operator.attemptTimeoutSeconds=0")
+    assert refused.returncode != 0 and "schema" in refused.stderr, refused.stderr
 
 
 # -- a real operator and a real holder -------------------------------------------------------
