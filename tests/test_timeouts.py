@@ -172,6 +172,17 @@ def test_the_operators_default_comes_from_a_flag_and_the_charts_value_and_zero_i
     assert refused.returncode != 0 and "schema" in refused.stderr, refused.stderr
 
 
+def test_submit_sets_the_attempt_timeout_and_the_backoff_jitter() -> None:
+    from tasklease.cli.main import build_parser
+    from tasklease.cli.tasks import _task_from_flags
+
+    args = build_parser().parse_args(["submit", "--queue", "q", "--attempt-timeout", "90", "--no-backoff-jitter"])
+    spec = _task_from_flags(args)["spec"]
+    assert (spec["attemptTimeoutSeconds"], spec["backoff"]) == (90, {"jitter": False})
+    plain = _task_from_flags(build_parser().parse_args(["submit", "--queue", "q"]))["spec"]
+    assert "attemptTimeoutSeconds" not in plain and "backoff" not in plain
+
+
 # -- a real operator and a real holder -------------------------------------------------------
 
 

@@ -199,11 +199,12 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {"queue": args.queue, "payload": payload}
     for flag, field in (("priority", "priority"), ("max_attempts", "maxAttempts"),
                         ("lease_duration", "leaseDurationSeconds"), ("deadline", "deadline"),
-                        ("not_before", "notBefore"), ("ttl", "ttlSecondsAfterFinished")):
+                        ("not_before", "notBefore"), ("ttl", "ttlSecondsAfterFinished"),
+                        ("attempt_timeout", "attemptTimeoutSeconds")):
         if getattr(args, flag) is not None:
             spec[field] = getattr(args, flag)
     backoff = {k: v for k, v in (("initialSeconds", args.backoff_initial), ("maxSeconds", args.backoff_max),
-                                 ("policy", args.backoff_policy)) if v is not None}
+                                 ("policy", args.backoff_policy), ("jitter", args.backoff_jitter)) if v is not None}
     if backoff:
         spec["backoff"] = backoff
     meta = {"name": args.name} if args.name else {"generateName": f"{args.queue}-"}
