@@ -122,6 +122,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
             print(f"Retried:    {spec.get('maxAttempts', 3)} more attempts counted from attempt {rec.budget_from + 1}")
     if spec.get("notBefore"):
         print(f"Starts:     not before {spec['notBefore']}")
+    if spec.get("attemptTimeoutSeconds") is not None:
+        print(f"Timeout:    each attempt ends AttemptTimedOut after {spec['attemptTimeoutSeconds']}s")
     if spec.get("ttlSecondsAfterFinished") is not None:
         print(f"Cleanup:    deleted {spec['ttlSecondsAfterFinished']}s after it finishes")
     if status.result:
