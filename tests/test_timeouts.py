@@ -195,6 +195,8 @@ def test_a_stuck_holder_is_timed_out_requeued_and_told_within_a_second(
     try:
         task = agent.claim("tq", timeout=30, interrupt=False)
         claimed_at = time.monotonic()
+        told_at: list[datetime] = []
+        task.on_lost.append(lambda _t: told_at.append(datetime.now(UTC)))
         # The holder renews all along (a live agent whose work is stuck): only the timeout ends it.
         assert task.lost.wait(timeout_s + 5), "the holder was never told"
         told_after = time.monotonic() - claimed_at
@@ -203,6 +205,8 @@ def test_a_stuck_holder_is_timed_out_requeued_and_told_within_a_second(
         lease = record.decode(kube.get(LEASES, "stuck"))
         assert lease.state == record.FREE and lease.history[-1].outcome == models.ATTEMPT_TIMED_OUT
         assert "past its attempt timeout of 3s (spec.attemptTimeoutSeconds)" in lease.history[-1].message
+        ended_at = lease.history[-1].ended_at  # the operator's write, by this machine's clock as ours
+        assert ended_at is not None and told_at and (told_at[0] - ended_at).total_seconds() < 1.0, (ended_at, told_at)
         try:
             agent.protocol.renew(task.held)
             raise AssertionError("the timed-out holder could still renew")
