@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -225,6 +226,20 @@ def test_a_stuck_holder_is_timed_out_requeued_and_told_within_a_second(
         assert again.lost.wait(timeout_s + 5)
         wait_for(lambda: (kube.get(TASKS, "stuck").get("status") or {}).get("reason") == "DeadLettered",
                  message="dead-lettered after its last attempt timed out")
+    finally:
+        agent.close()
+
+
+def test_the_operators_default_times_out_a_task_without_its_own_limit(
+        cluster: Cluster, kube: Kube, namespace: str, operator_factory: Callable[..., Operator],
+        tmp_path: Path) -> None:
+    operator_factory("--no-leader-elect", "--attempt-timeout=2")
+    make_task(kube, "plain", queue="dq", leaseDurationSeconds=30, backoff=NO_BACKOFF)
+    agent = Agent.connect(kubeconfig=str(cluster.namespaced_kubeconfig(namespace, tmp_path)))
+    try:
+        task = agent.claim("dq", timeout=30, interrupt=False)
+        assert task.lost.wait(2 + 5), "the operator's --attempt-timeout did not end the attempt"
+        assert task.lost_reason.endswith("past its attempt timeout of 2s (--attempt-timeout)"), task.lost_reason
     finally:
         agent.close()
 
