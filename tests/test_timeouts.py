@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import argparse
@@ -20,7 +20,7 @@ from conftest import Cluster, Operator, make_task, tasklease_cmd, wait_for
 from test_chart import _helm, by_kind, render, CHART
 from tasklease.agent import Agent
 from tasklease.agent.cancel import attempt_over
-from tasklease.api import errors, models
+from tasklease.api import errors, models, timestamps
 from tasklease.kube import EVENTS, LEASES, TASKS, Kube
 from tasklease.operator import options, projection
 from tasklease.operator.timeouts import AttemptClock, limit_s
@@ -189,8 +189,8 @@ def test_submit_sets_the_attempt_timeout_and_the_backoff_jitter() -> None:
 
 def test_a_stuck_holder_is_timed_out_requeued_and_told_within_a_second(
         cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
-    timeout_s = 3
-    make_task(kube, "stuck", queue="tq", attemptTimeoutSeconds=timeout_s, leaseDurationSeconds=30, maxAttempts=2,
+    timeout_s = 4
+    make_task(kube, "stuck", queue="tq", attemptTimeoutSeconds=timeout_s, leaseDurationSeconds=5, maxAttempts=2,
               backoff={**NO_BACKOFF, "jitter": False})
     agent = Agent.connect(kubeconfig=str(cluster.namespaced_kubeconfig(namespace, tmp_path)))
     try:
@@ -198,14 +198,20 @@ def test_a_stuck_holder_is_timed_out_requeued_and_told_within_a_second(
         claimed_at = time.monotonic()
         told_at: list[datetime] = []
         task.on_lost.append(lambda _t: told_at.append(datetime.now(UTC)))
-        # The holder renews all along (a live agent whose work is stuck): only the timeout ends it.
+        # The holder renews all along (every 5/3 s: a live agent whose work is stuck), and the
+        # Lease claims it was acquired and renewed an hour from now: neither moves the timeout.
+        later = timestamps.format_time(datetime.now(UTC) + timedelta(hours=1))
+        patched = kube.merge_patch(LEASES, "stuck", {"spec": {"acquireTime": later, "renewTime": later}})
+        wait_for(lambda: kube.get(LEASES, "stuck")["metadata"]["resourceVersion"] != patched["metadata"][
+            "resourceVersion"], timeout=timeout_s, interval=0.05, message="a renewal before the timeout")
+        assert not task.lost.is_set()
         assert task.lost.wait(timeout_s + 5), "the holder was never told"
         told_after = time.monotonic() - claimed_at
         assert timeout_s <= told_after < timeout_s + 3, told_after
         assert "AttemptTimedOut" in task.lost_reason, task.lost_reason
         lease = record.decode(kube.get(LEASES, "stuck"))
         assert lease.state == record.FREE and lease.history[-1].outcome == models.ATTEMPT_TIMED_OUT
-        assert "past its attempt timeout of 3s (spec.attemptTimeoutSeconds)" in lease.history[-1].message
+        assert "past its attempt timeout of 4s (spec.attemptTimeoutSeconds)" in lease.history[-1].message
         ended_at = lease.history[-1].ended_at  # the operator's write, by this machine's clock as ours
         assert ended_at is not None and told_at and (told_at[0] - ended_at).total_seconds() < 1.0, (ended_at, told_at)
         try:
