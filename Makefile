@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease.dev
 
-.PHONY: help venv build prometheus cluster cluster-down node node-down e2e lint test demo bench chaos generate clean
+.PHONY: help venv build prometheus cluster cluster-down node node-down e2e lint unit unit-all test demo bench chaos generate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -51,7 +51,24 @@ lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: build lint prometheus ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
+# Pure logic: no control plane, a fake Kube or tasklease.testing, injected clocks (marker `unit`).
+UNIT_TESTS := tests/test_claimed.py tests/test_decode.py tests/test_testing.py tests/test_contract.py \
+	tests/test_discovery.py tests/test_discovery_props.py tests/test_runner_unit.py tests/test_aio_unit.py \
+	tests/test_worker_unit.py
+UNIT_PYTHONS := 3.12.1 3.13.0
+
+unit: venv ## the unit tests alone (under 30 s, no control plane)
+	$(PY) -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS)
+
+unit-all: unit ## the unit tests on every supported Python (3.11, and 3.12 and 3.13 from pyenv)
+	for v in $(UNIT_PYTHONS); do \
+	  venv=.venv-$${v%.*}; py=$${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v/bin/python; \
+	  test -x $$venv/bin/python || $$py -m venv $$venv || exit 1; \
+	  $$venv/bin/python -m pip install -q -e . pytest pytest-timeout hypothesis || exit 1; \
+	  $$venv/bin/python -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS) || exit 1; \
+	done
+
+test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
 	$(PY) -m pytest --ignore=tests/test_node_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
 
@@ -67,4 +84,4 @@ bench: build ## claim throughput and time-to-requeue, beside a baseline measured
 clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (binaries stay)
 	for w in .cache/test-cluster .cache/bench/cluster .cache/chaos/cluster; do \
 	  test ! -d $$w || $(LOCAL) --workdir $$w --kubeconfig $$w/kubeconfig down; done
-	rm -rf .cache $(VENV)
+	rm -rf .cache $(VENV) .venv-3.12 .venv-3.13

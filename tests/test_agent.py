@@ -18,7 +18,7 @@ from tasklease.agent.discovery import task_selector
 from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
-from tasklease.protocol import Held, Protocol, TaskView, record
+from tasklease.protocol import Held, Protocol, TaskView, members, record
 from tasklease.protocol.rules import Blocker, blocker
 
 FAST = {"leaseDurationSeconds": 5, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}
@@ -86,6 +86,16 @@ def test_a_restarted_agent_releases_its_previous_instances_leases_at_once(
     assert rec.result == "second"
 
 
+def test_tasklease_run_leaves_its_queue_on_exit(cluster: Cluster, kube: Kube, namespace: str,
+                                                tmp_path: Path) -> None:
+    make_task(kube, "one", queue="leaving")
+    config = str(cluster.namespaced_kubeconfig(namespace, tmp_path))
+    run = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "leaving", "--wait", "30", "--", "true"),
+                  log=tmp_path / "run.log", env={"POD_NAME": "leaver-0"})
+    assert run.wait(60) == 0, run.output()
+    assert kube.list(LEASES, label_selector=members.selector("leaving"))["items"] == []  # its member Lease is gone
+
+
 def test_fencing_epoch_only_grows_and_stale_holders_are_refused(kube: Kube) -> None:
     make_task(kube, "fenced", queue="f", maxAttempts=5, backoff={"initialSeconds": 0, "maxSeconds": 0})
     agents = [Agent(kube, identity=Identity(pod=f"a{i}", instance="x")) for i in range(3)]
@@ -129,61 +139,76 @@ def test_a_leases_field_managers_are_tracked_at_its_create_only(kube: Kube) -> N
         agent.close()
 
 
-def test_losing_the_lease_interrupts_the_work_in_its_thread(kube: Kube) -> None:
+def test_a_lost_lease_reaches_work_in_another_thread_as_a_token(kube: Kube) -> None:
     make_task(kube, "interrupted", queue="i", leaseDurationSeconds=5)
     agent = Agent(kube, identity=Identity(pod="busy", instance="x"))
     outcome: list[str] = []
 
     def work() -> None:
-        try:
-            with agent.claim("i", timeout=30):
-                outcome.append("claimed")
-                _requeue_now(kube, "interrupted")
-                while True:  # busy work that never checks: the SDK must interrupt it
-                    sum(range(1000))
-        except errors.LostLease:
-            outcome.append("interrupted")
+        with agent.claim("i", timeout=30) as task:
+            outcome.append("claimed")
+            _requeue_now(kube, "interrupted")
+            if task.lost.wait(30):  # the work watches its token: nothing is raised into it
+                outcome.append("told")
+            try:
+                task.check()
+            except errors.LostLease:
+                outcome.append("checked")
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join(timeout=30)
     assert not thread.is_alive()
-    assert outcome == ["claimed", "interrupted"]
+    assert outcome == ["claimed", "told", "checked"]
     agent.close()
 
 
-def test_a_work_loop_keeps_one_interrupt_handler_for_all_its_tasks(kube: Kube) -> None:
-    """On the main thread, `work` puts the SDK's SIGUSR1 handler in place once for the loop,
-    not per task; a lease lost inside a task still interrupts it, and the loop goes on; the
-    handler that was there before is back when the loop returns."""
+def test_a_work_loop_installs_no_signal_handler_and_goes_on_after_a_lost_task(kube: Kube) -> None:
     make_task(kube, "kept-a", queue="k", **FAST)
     make_task(kube, "kept-b", queue="k", **FAST)
     agent = Agent(kube, identity=Identity(pod="looping", instance="x"))
+    before = signal.getsignal(signal.SIGUSR1)
     handlers: list[object] = []
-    interrupted: list[str] = []
+    lost: list[str] = []
 
     def handler(task: ClaimedTask) -> str:
         handlers.append(signal.getsignal(signal.SIGUSR1))
         if task.name == "kept-a" and task.epoch == 1:
             _requeue_now(kube, task.name)
-            deadline = time.monotonic() + 30
-            try:
-                while time.monotonic() < deadline:  # busy work that never checks
-                    sum(range(1000))
-            except errors.LostLease:
-                interrupted.append(task.name)
-                raise
+            assert task.lost.wait(30)
+            lost.append(task.name)
+            task.check()
         return "ok"
 
-    before = signal.getsignal(signal.SIGUSR1)
-    try:
+    with agent:
         assert agent.work("k", handler, max_tasks=2, idle_timeout=30) == 2
-    finally:
-        agent.close()
-    assert interrupted == ["kept-a"]
-    assert len(handlers) == 3 and len(set(map(id, handlers))) == 1 and handlers[0] != before
-    assert signal.getsignal(signal.SIGUSR1) == before
+    assert lost == ["kept-a"]
+    assert handlers == [before] * 3
     assert record.decode(kube.get(LEASES, "kept-a")).epoch == 2
+
+
+def test_close_wakes_a_waiting_claim_releases_what_it_holds_and_leaves_the_queue(kube: Kube) -> None:
+    make_task(kube, "held-on-close", queue="c")
+    agent = Agent(kube, identity=Identity(pod="closing", instance="x"))
+    task = agent.claim("c", timeout=30)
+    waited: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            agent.claim("c")  # nothing else to claim: waits until the agent closes
+        except errors.NothingToClaim as exc:
+            waited.append(exc)
+    thread = threading.Thread(target=wait)
+    thread.start()
+    member = members.lease_name("c", agent.identity.holder)
+    wait_for(lambda: kube.get_or_none(LEASES, member) is not None, message="the member Lease")
+    agent.close()
+    thread.join(30)
+    assert not thread.is_alive() and "closed" in str(waited[0])
+    assert task.finished and record.decode(kube.get(LEASES, "held-on-close")).state == record.FREE
+    assert kube.get_or_none(LEASES, member) is None
+    with pytest.raises(errors.NothingToClaim):
+        agent.claim("c", timeout=1)
 
 
 def _requeue_now(kube: Kube, name: str) -> None:

@@ -14,17 +14,11 @@ from conftest import make_task, wait_for
 from tasklease.agent import Agent, Identity
 from tasklease.agent import discovery
 from tasklease.agent.membership import Membership
-from tasklease.agent.discovery import (
-    CandidateIndex,
-    Owner,
-    QueueView,
-    compact,
-    divide,
-    expand,
-    owned_weight,
-    owner,
-    weight,
-)
+from tasklease.agent import division
+from tasklease.agent.candidates import CandidateIndex
+from tasklease.agent.compact import compact, expand
+from tasklease.agent.discovery import QueueView
+from tasklease.agent.division import Owner, divide, owned_weight, owner, weight
 from tasklease.api import errors
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
@@ -33,6 +27,7 @@ from tasklease.protocol import LeaseRecord, Protocol, TaskView, members, record
 from tasklease.protocol.members import MemberLease
 
 
+@pytest.mark.unit
 def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
     index = CandidateIndex()
     for i in range(100):
@@ -51,6 +46,7 @@ def test_the_index_offers_only_the_highest_band_oldest_first() -> None:
     assert index.best(3) == [] and len(index) == 0
 
 
+@pytest.mark.unit
 def test_the_index_answers_as_a_sorted_list_of_its_live_candidates_would() -> None:
     """Whatever the order of additions, removals, re-additions and looks of any width: the
     heaps, their lazily deleted entries and the kept prefix of each band never show."""
@@ -72,6 +68,7 @@ def test_the_index_answers_as_a_sorted_list_of_its_live_candidates_would() -> No
                 assert index.best(window) == expected, f"seed {seed}"
 
 
+@pytest.mark.unit
 def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
     names = [f"task-{i:03d}" for i in range(128)]
     agents = [f"agent-{a}/x" for a in range(16)]
@@ -88,6 +85,7 @@ def test_agents_that_know_each_other_divide_a_band_without_overlap() -> None:
     assert mine == sorted(mine, key=lambda n: weight(agents[0], n), reverse=True)
 
 
+@pytest.mark.unit
 def test_an_agent_knows_its_own_tasks_as_the_owner_would_say_without_hashing_every_peer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     agents = [f"agent-{a}/x" for a in range(16)]
@@ -102,12 +100,13 @@ def test_an_agent_knows_its_own_tasks_as_the_owner_would_say_without_hashing_eve
         nonlocal calls
         calls += 1
         return weight(holder, name)
-    monkeypatch.setattr(discovery, "weight", counted)
+    monkeypatch.setattr(division, "weight", counted)
     for name in names:
         owned_weight(agents[0], agents, name)
     assert calls < len(names) * len(agents) / 2  # most tasks are another's, and found so early
 
 
+@pytest.mark.unit
 def test_a_thief_takes_from_busy_owners_first_deputies_first() -> None:
     names = [f"task-{i:02d}" for i in range(3)]
     table = {"task-00": (0.8, "idle", "other"), "task-01": (0.5, "busy", "other"), "task-02": (0.4, "busy", "me")}
@@ -126,6 +125,7 @@ def test_a_thief_takes_from_busy_owners_first_deputies_first() -> None:
         assert owner([a for a in agents if a != first], name)[1] == deputy
 
 
+@pytest.mark.unit
 def test_strict_priority_holds_whoever_owns_what() -> None:
     index = CandidateIndex()
     for i in range(64):
@@ -328,11 +328,13 @@ def test_candidates_kept_from_an_earlier_look_are_not_claimed_once_cancelled(kub
         agent.close()
 
 
+@pytest.mark.unit
 def test_an_open_task_kept_compact_reads_back_the_same() -> None:
     base = {"metadata": {"name": "t-1", "namespace": "ns", "uid": "u-1", "creationTimestamp": "2026-01-01T00:00:00Z",
                          "resourceVersion": "7", "managedFields": [{"manager": "kubectl"}]},
             "spec": {"queue": "q", "payload": {}, "priority": 0, "maxAttempts": 3, "leaseDurationSeconds": 30,
-                     "backoff": {"policy": "Exponential", "initialSeconds": 5, "maxSeconds": 300}, "cancel": False}}
+                     "backoff": {"policy": "Exponential", "initialSeconds": 5, "maxSeconds": 300, "jitter": True},
+                     "cancel": False}}
     rich = {**base, "spec": {**base["spec"], "payload": {"a": [1, {"b": None}]}, "priority": 7, "maxAttempts": 1,
                              "deadline": "2026-02-01T00:00:00Z", "cancel": True,
                              "backoff": {"policy": "Exponential", "initialSeconds": 1, "maxSeconds": 300}},

@@ -1,4 +1,4 @@
-"""The agent SDK: claim, renew, finish, and stop the work when ownership is lost.
+"""The agent SDK: claim, renew, finish, and tell the work when ownership is lost.
 
 `tasklease run` (the `runner`) is built on it; `producer` creates and follows tasks; `aio`
 is the asyncio variant of the agent loop.
@@ -9,9 +9,9 @@ Rule: talks to Leases only through `tasklease.protocol`; never imports
 What users import is listed in `__all__`; every other name here is private by convention.
 """
 
-from tasklease.agent.aio import AsyncAgent, AsyncClaimedTask
+from tasklease.agent.aio import AsyncAgent, AsyncClaimedTask, AsyncProducer
 from tasklease.agent.producer import Producer, Task
-from tasklease.agent.sdk import Agent, ClaimedTask, Identity
+from tasklease.agent.sdk import Agent, AgentSettings, ClaimedTask, Identity
 from tasklease.api.errors import (
     Conflict,
     CRDMissing,
@@ -27,7 +27,8 @@ from tasklease.api.errors import (
 )
 
 __all__ = [
-    "Agent", "AsyncAgent", "AsyncClaimedTask", "ClaimedTask", "Identity", "Producer", "Task",
+    "Agent", "AgentSettings", "AsyncAgent", "AsyncClaimedTask", "AsyncProducer", "ClaimedTask", "Identity",
+    "Producer", "Task",
     "CRDMissing", "Conflict", "Forbidden", "Invalid", "LostLease", "NotClaimable", "NotFound", "NothingToClaim",
     "ServerError", "TaskleaseError", "Unreachable",
 ]

@@ -17,20 +17,19 @@ claimable, a peer comes or goes, or the earliest backoff runs out.
 
 from __future__ import annotations
 
-import bisect
-import enum
-import hashlib
 import heapq
 import json
-import sys
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Final, TypeVar
+from typing import TypeVar
 
+from tasklease.agent.candidates import CandidateIndex
+from tasklease.agent.compact import compact, expand
+from tasklease.agent.division import Division, Ownership, divide, owned_weight, owner
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.watching import Listener, Reflector
@@ -61,15 +60,6 @@ def lease_selector(queue: str) -> str:
     return f"{record.LABEL_QUEUE}={queue},{record.LABEL_STATE}={record.FREE}"
 
 
-def weight(holder: str, name: str) -> float:
-    """`holder`'s rendezvous weight for task `name`, in [0, 1): the same on every look."""
-    digest = hashlib.blake2b(f"{holder}\0{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
-Ownership = tuple[float, str, str]  # (the owner's weight, the owner, its deputy or "")
-
-
 @dataclass(frozen=True)
 class Peer:
     """A member of the queue as this agent last saw it (`protocol.members`)."""
@@ -80,187 +70,11 @@ class Peer:
     until: datetime  # gone, unless renewed before (our clock: when we saw it, plus its duration)
 
 
-def owner(peers: Iterable[str], name: str) -> Ownership:
-    """Who task `name` belongs to among `peers`: the one that weighs it highest; and its
-    deputy, the next one, which is the first to take it from an owner that does not."""
-    # The top two in one pass (every agent computes this for every task that reaches its window).
-    first = second = (-1.0, "")
-    for peer in peers:
-        entry = (weight(peer, name), peer)
-        if entry > first:
-            first, second = entry, first
-        elif entry > second:
-            second = entry
-    return first[0], first[1], second[1]
-
-
-def owned_weight(me: str, peers: Iterable[str], name: str) -> float | None:
-    """`me`'s weight for task `name` when `me` owns it among `peers` (as `owner` says); None
-    as soon as one peer weighs it higher. Most tasks are another's, and a few hashes then
-    decide instead of one per peer: at 16 agents, hashing every peer for every task in the
-    window was the largest part of a look."""
-    mine = (weight(me, name), me)
-    for peer in peers:
-        if peer != me and (weight(peer, name), peer) > mine:
-            return None
-    return mine[0]
-
-
-class Owner(enum.IntEnum):
-    """What the owner of another agent's task is doing, in the order a thief takes from it."""
-
-    BUSY = 0  # holds a lease and is not claiming: long work, it will not take more soon
-    IDLE = 1  # holds nothing and is not claiming: it takes its task now, if it is alive
-
-
-@dataclass(frozen=True)
-class Division:
-    """One look's candidates divided among the agents at work (rendezvous hashing): each
-    task belongs to the agent that weighs it highest. Agents that know the same peers never
-    race for a task while each has one of its own; a task is taken from its owner (stolen)
-    only by an agent that has none, and never from an owner that is claiming (its tasks
-    are not candidates to its peers: `QueueView` parks them)."""
-
-    names: list[str]  # best first: ours in our weight order or, if none is ours, the others' (`divide`)
-    ours: int  # how many are ours: all of `names`, or none
-    owner: Owner | None  # when none is ours: what the owner of the first is doing
-    deputy: bool = False  # when none is ours: we are the first's deputy, the first thief in line
-    # When none may be taken now: how soon to look again (a new task ripens, `_RIPE_S`, or a
-    # claiming owner would be gone, were it silent), unless something changes first.
-    wait_s: float = 0.0
-    held_back: bool = False  # none may be taken: a higher band is left to claiming peers
-
-
-def divide(me: str, names: list[str], owners: Callable[[str], Ownership], busy: Collection[str] = ()) -> Division:
-    """Divide `names` (one band's oldest) between `me` and the peers `owners` names. When
-    none is ours, the others' come in the order a thief should take them (`Owner`), ours
-    as deputy first, then by our weight, so that thieves too spread out."""
-    ours: list[tuple[float, str]] = []  # (our weight, name): an owner's weight is the top one
-    others: list[tuple[str, str, str]] = []  # (name, its owner, its deputy)
-    for name in names:
-        top, peer, deputy = owners(name)
-        if peer == me:
-            ours.append((top, name))
-        else:
-            others.append((name, peer, deputy))
-    if ours:
-        ours.sort(reverse=True)
-        return Division(names=[name for _, name in ours], ours=len(ours), owner=None)
-    # Only now our weight for the others': most looks find some of their own (a hash each saved).
-    later = sorted((Owner.BUSY if peer in busy else Owner.IDLE, deputy != me, -weight(me, name), name)
-                   for name, peer, deputy in others)
-    return Division(names=[entry[3] for entry in later], ours=0, owner=later[0][0] if later else None,
-                    deputy=bool(later) and not later[0][1])
-
-
 def _count_down(counter: Counter[K], key: K) -> None:
     """One less of `key`; none left, no key (a Counter's `max` and `get` see only the live ones)."""
     counter[key] -= 1
     if counter[key] <= 0:
         del counter[key]
-
-
-# The spec's defaults as the API server writes them: a field equal to its default is not
-# kept, as validating the rest gives it back.
-_SPEC_DEFAULTS: Final = {k: v for k, v in models.TaskSpec.model_validate({"queue": "q"}).model_dump(
-    mode="json", by_alias=True).items() if k != "queue"}  # the queue has none
-
-
-def compact(task: JSON) -> bytes:
-    """What `TaskView.of` reads from a Task but its name and namespace (`expand` puts them
-    back), without the spec's defaults, as compact JSON."""
-    meta, status = task["metadata"], task.get("status") or {}
-    slim = {"metadata": {k: meta[k] for k in ("uid", "creationTimestamp") if k in meta},
-            "spec": {k: v for k, v in (task.get("spec") or {}).items() if _SPEC_DEFAULTS.get(k, ...) != v},
-            "status": {k: status[k] for k in ("attempt", "phase") if k in status}}
-    return json.dumps(slim, separators=(",", ":")).encode()
-
-
-def expand(text: bytes, *, name: str, namespace: str) -> TaskView:
-    task = json.loads(text)
-    task["metadata"].update(name=name, namespace=namespace)
-    return TaskView.of(task)
-
-
-class CandidateIndex:
-    """Claimable task names by priority band, oldest first within a band.
-
-    One heap per band with lazy deletion: adding is O(log n), removing is O(1) (the entry
-    goes stale and is dropped when it is next met). The band's best entries, once popped,
-    stay out of its heap in a sorted prefix (every heap entry comes after them), so that
-    the next look filters that prefix and pops only what was taken since: a look costs
-    O(window) plus O(log n) per entry taken, not 2 · window heap operations."""
-
-    def __init__(self) -> None:
-        self._bands: dict[int, list[tuple[str, str]]] = {}  # priority → heap of (created, name)
-        self._prefix: dict[int, list[tuple[str, str]]] = {}  # priority → its best entries, sorted
-        self._priorities: list[int] = []  # ascending; the bands that may hold live entries
-        self._members: dict[str, tuple[int, str]] = {}  # name → (priority, created) of its live entry
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._members
-
-    def add(self, name: str, priority: int, created: str) -> bool:
-        """True when `name` was not a candidate before."""
-        before = self._members.get(name)
-        if before == (priority, created):
-            return False
-        created = sys.intern(created)  # tasks created in the same second share it
-        self._members[name] = (priority, created)
-        band = self._bands.get(priority)
-        if band is None:
-            band = self._bands[priority] = []
-            bisect.insort(self._priorities, priority)
-        prefix = self._prefix.get(priority)
-        if prefix and (created, name) < prefix[-1]:
-            bisect.insort(prefix, (created, name))
-        else:
-            heapq.heappush(band, (created, name))
-        if len(band) > 64 and len(band) > 4 * len(self._members):
-            self._compact(priority)
-        return before is None
-
-    def discard(self, name: str) -> None:
-        self._members.pop(name, None)
-
-    def priority(self, name: str) -> int | None:
-        entry = self._members.get(name)
-        return entry[0] if entry else None
-
-    def best(self, window: int) -> list[str]:
-        """The `window` oldest candidates of the highest band that has any (strict priority)."""
-        while self._priorities:
-            priority = self._priorities[-1]
-            band = self._bands[priority]
-            found: list[tuple[str, str]] = []
-            seen: set[str] = set()  # a task discarded and added again may have two entries
-            for entry in self._prefix.get(priority, ()):
-                if self._members.get(entry[1]) == (priority, entry[0]) and entry[1] not in seen:
-                    found.append(entry)
-                    seen.add(entry[1])
-            while band and len(found) < window:
-                entry = heapq.heappop(band)
-                if self._members.get(entry[1]) == (priority, entry[0]) and entry[1] not in seen:
-                    found.append(entry)
-                    seen.add(entry[1])
-            for entry in found[window:]:  # a deeper look's: back to the heap, the prefix stays short
-                heapq.heappush(band, entry)
-            if found:
-                self._prefix[priority] = found[:window]
-                return [name for _, name in found[:window]]
-            del self._bands[priority]
-            self._prefix.pop(priority, None)
-            self._priorities.pop()
-        return []
-
-    def _compact(self, priority: int) -> None:
-        band = [(created, name) for name, (p, created) in self._members.items() if p == priority]
-        heapq.heapify(band)
-        self._bands[priority] = band
-        self._prefix.pop(priority, None)  # its live entries are in the heap again
 
 
 class QueueView:
@@ -332,6 +146,11 @@ class QueueView:
     def stop(self) -> None:
         for r in self._reflectors:
             r.stop()
+
+    def wake(self) -> None:
+        """Wake every claimer waiting on this view now (its agent is closing)."""
+        with self._changed:
+            self._bump()
 
     @property
     def task_watch(self) -> Reflector:

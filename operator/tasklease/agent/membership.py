@@ -4,7 +4,7 @@ Written at once on joining, then every third of its duration (liveness); when we
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
 operator did not project; at once for a theft, when a peer joins, when we move to a lower
 band or are held back from one, if there is anything to tell; every `TELL_MAX` untold
-claims. Left on `close`, telling what is left to tell.
+claims. Left on `close`, telling what is left to tell, then deleted.
 """
 
 from __future__ import annotations
@@ -158,4 +158,9 @@ class Membership:
                     self._untold = {**dict.fromkeys(told), **self._untold}
                 not_before = time.monotonic() + _RETRY_S
             if stopping:
+                try:
+                    if not self._lease.delete():
+                        log.info("member Lease %s says this agent left; it may not delete it", self._lease.name)
+                except errors.TaskleaseError as exc:
+                    log.warning("could not delete member Lease %s: %s", self._lease.name, exc)
                 return

@@ -12,7 +12,13 @@ stopped the same way, and its attempt fails with reason AttemptTimedOut.
 
 With --loop one bad task (a command that cannot start, a lost lease) does not stop the
 loop, and an unreachable API server is retried with capped backoff, at start too; only
-permanent errors (no rights, no CRD) end it.
+permanent errors (no rights, no CRD) end it. With --concurrency N, N loops run side by side.
+
+SIGTERM or SIGINT stops it: no more claims, and the commands running get SIGTERM (SIGKILL
+after the grace period) and their tasks are released. With --drain the commands running are
+left to finish within the grace period instead (their outcome reported as usual); those
+still running then are stopped and released; the exit code is 0. `tasklease run` is the
+program's entry point: these handlers are its own.
 """
 
 from __future__ import annotations
@@ -43,19 +49,54 @@ MAX_ENV_PAYLOAD = 64 * 1024
 
 class Runner:
     def __init__(self, agent: Agent, *, queue: str, argv: Sequence[str], grace_s: float = 10.0,
-                 timeout_s: float | None = None) -> None:
+                 concurrency: int = 1, drain: bool = False, timeout_s: float | None = None) -> None:
+        if concurrency < 1:
+            raise errors.Invalid(f"--concurrency must be at least 1, not {concurrency}")
         self.agent = agent
         self.queue = queue
         self.argv = list(argv)
         self.grace_s = grace_s
+        self.concurrency = concurrency
+        self.drain = drain
         self.timeout_s = timeout_s  # None: the Task's attemptTimeoutSeconds, if it has one
         self.stopping = threading.Event()
-        self._child: subprocess.Popen[bytes] | None = None
+        self._drain_over = threading.Event()  # the grace of a drain ran out (set at once without --drain)
+        self._children: set[subprocess.Popen[bytes]] = set()
         self._child_lock = threading.Lock()
 
     def run(self, *, loop: bool, wait_s: float | None) -> int:
-        """One task (or, with `loop`, one after another until stopped or idle for `wait_s`)."""
+        """One task (or, with `loop`, one after another until stopped or idle for `wait_s`;
+        `concurrency` loops side by side, the exit code the first one's)."""
         self._install_signal_handlers()
+        if self.concurrency == 1 or not loop:
+            return self._run(loop=loop, wait_s=wait_s)
+        codes: list[int] = []
+        others = [threading.Thread(target=lambda: codes.append(self._run(loop=True, wait_s=wait_s)),
+                                   name=f"run-{i}", daemon=True) for i in range(1, self.concurrency)]
+        for thread in others:
+            thread.start()
+        code = self._run(loop=True, wait_s=wait_s)
+        for thread in others:
+            thread.join()
+        return code
+
+    def stop(self) -> None:
+        """Claim no more. Without --drain, stop the commands running now; with it, after the grace."""
+        self.stopping.set()
+        if not self.drain:
+            self._drain_over.set()
+            self._terminate_children()
+            return
+        log.info("draining: no more claims; %.0fs for the commands running", self.grace_s)
+
+        def over() -> None:
+            self._drain_over.set()
+            self._terminate_children()
+        timer = threading.Timer(self.grace_s, over)
+        timer.daemon = True
+        timer.start()
+
+    def _run(self, *, loop: bool, wait_s: float | None) -> int:
         backoff = Backoff(base_s=0.5, cap_s=30.0)
         while not self._started(loop):
             if self.stopping.wait(backoff.next()):
@@ -91,7 +132,7 @@ class Runner:
                 code = exc.exit_code
             if not loop:
                 return code
-        return errors.RUN_STOPPED
+        return 0 if self.drain else errors.RUN_STOPPED
 
     def _started(self, loop: bool) -> bool:
         """The agent's start (releasing an older instance's leases); in --loop an unreachable
@@ -122,9 +163,9 @@ class Runner:
         if task.lost.is_set():
             raise errors.LostLease(f"lost {task.namespace}/{task.name} (attempt {task.epoch}): {task.lost_reason}; "
                                    f"the command was stopped")
-        if self.stopping.is_set():
+        if self._drain_over.is_set():  # stopped (a drain: its grace ran out): the command did not finish
             task.release(f"agent {task.holder} was stopped")
-            return errors.RUN_STOPPED
+            return 0 if self.drain else errors.RUN_STOPPED
         if timed_out:
             task.fail(failure_message(f"{models.ATTEMPT_TIMED_OUT}: {self.argv[0]} ran past its timeout of "
                                       f"{limit:g}s and was stopped", err_tail.text()), retryable=True)
@@ -143,7 +184,12 @@ class Runner:
         """Check ownership, register the kill on loss, then spawn: a loss at any moment stops it,
         and so does `limit_s` running out (then the last value is True)."""
         log.info("running %s for %s/%s (attempt %d)", self.argv[0], task.namespace, task.name, task.epoch)
-        task.on_lost.append(lambda _t: self._terminate_child())
+        spawned: list[subprocess.Popen[bytes]] = []
+
+        def stop_command(_: ClaimedTask) -> None:
+            for c in spawned:
+                self._terminate(c)
+        task.on_lost.append(stop_command)
         task.check()
         try:
             child = subprocess.Popen(self.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -151,10 +197,11 @@ class Runner:
         except OSError as exc:
             task.fail(f"cannot start {self.argv[0]}: {exc}", retryable=False)
             raise errors.Invalid(f"cannot start {self.argv[0]}: {exc.strerror}") from None
+        spawned.append(child)
         with self._child_lock:
-            self._child = child
-        if task.lost.is_set() or self.stopping.is_set():
-            self._terminate_child()  # lost (or stopped) while it was being spawned
+            self._children.add(child)
+        if task.lost.is_set() or self._drain_over.is_set():
+            self._terminate(child)  # lost (or stopped) while it was being spawned
         tail = _Tail(models.MAX_RESULT_BYTES, sink=sys.stdout)
         reader = threading.Thread(target=tail.pump, args=(child.stdout,), daemon=True)
         reader.start()
@@ -183,13 +230,11 @@ class Runner:
             reader.join(_DRAIN_S)
             err_reader.join(_DRAIN_S)
         with self._child_lock:
-            self._child = None
+            self._children.discard(child)
         return code, tail, err_tail, timed_out
 
-    def _terminate_child(self) -> None:
-        with self._child_lock:
-            child = self._child
-        if child is not None:
+    def _terminate_children(self) -> None:
+        for child in list(self._children):  # no lock: called from a signal handler too
             self._terminate(child)
 
     def _terminate(self, child: subprocess.Popen[bytes]) -> None:
@@ -207,10 +252,7 @@ class Runner:
             return
 
         def stop(signum: int, frame: FrameType | None) -> None:
-            self.stopping.set()
-            child = self._child  # no lock in a signal handler: the main thread may hold it
-            if child is not None:
-                self._terminate(child)
+            self.stop()
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
 

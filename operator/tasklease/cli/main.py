@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", action="store_true", help="keep taking tasks until stopped")
     p.add_argument("--wait", type=float, help="seconds to wait for a task (default: once: none; --loop: forever)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--concurrency", type=int, default=1, metavar="N",
+                   help="with --loop: run up to N commands at a time (default 1)")
+    p.add_argument("--drain", action="store_true",
+                   help="on SIGTERM, claim no more and let running commands finish within --grace; exit 0")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="stop the command (SIGTERM, SIGKILL after --grace) once it has run this long and fail "
                         "the attempt with reason AttemptTimedOut (default: the Task's attemptTimeoutSeconds; "
@@ -224,6 +228,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
     if getattr(args, "namespace", None) and not args.namespaces:  # `tasklease -n NS operator`
         args.namespaces = [args.namespace]
+    # kopf reads events with json, which recurses once per level: on 3.11 this limit bounds how
+    # deep a Task it can read (the API server stores up to 10,000 levels). Our process, not a library's.
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 30_000))
     return run_operator(args)
 
 

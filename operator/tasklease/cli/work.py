@@ -75,10 +75,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise errors.Invalid(f"--timeout must be more than 0 seconds (got {args.timeout:g})")
     kube = kube_of(args)
-    agent = Agent(kube, identity=Identity.from_environment())
-    with _no_such_namespace_is_not_found(kube):
-        return Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace,
-                      timeout_s=args.timeout).run(loop=args.loop, wait_s=args.wait)
+    # Leaving the block leaves the queue: our peers divide our share at once.
+    with Agent(kube, identity=Identity.from_environment()) as agent, _no_such_namespace_is_not_found(kube):
+        runner = Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace, concurrency=args.concurrency,
+                        drain=args.drain, timeout_s=args.timeout)
+        return runner.run(loop=args.loop, wait_s=args.wait)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import urllib3
 from kubernetes import client, config
 
 from tasklease.api import errors, resource
+from tasklease.kube import decode
 
 JSON = dict[str, Any]
 # Unknown fields are an error, not silently dropped (outside `payload`, which keeps them).
@@ -27,9 +27,6 @@ _STRICT = {"fieldValidation": "Strict"}
 _WATCH_READ_TIMEOUT_S = 90
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _PAGE = 500  # objects per LIST page
-# The API server stores objects nested up to 10,000 levels (a Task's free-form payload);
-# Python's JSON decoder recurses once per level, kopf's included. Enough headroom for all.
-_RECURSION_LIMIT = 30_000
 
 
 @dataclass(frozen=True)
@@ -88,9 +85,6 @@ class Kube:
             raise errors.Unreachable(f"no usable cluster configuration: {exc}") from None
         configuration.connection_pool_maxsize = pool_size
         configuration.retries = 0
-        # Any object the API server accepts must be readable, or one deeply nested Task
-        # would stop every watch (and kopf) that meets it.
-        sys.setrecursionlimit(max(sys.getrecursionlimit(), _RECURSION_LIMIT))
         return cls(client.ApiClient(configuration), namespace or default_ns)
 
     # -- requests ---------------------------------------------------------------
@@ -100,7 +94,7 @@ class Kube:
         resp = self._send(method, path, query=query or {}, body=body, content_type=content_type,
                           timeout=timeout)
         try:
-            data: JSON = json.loads(resp.data or b"{}")
+            data: JSON = decode.loads(resp.data or b"{}")
         finally:
             resp.release_conn()
         return data
@@ -207,7 +201,7 @@ class Kube:
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
-                        yield json.loads(line)
+                        yield decode.loads(line)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
         finally:

@@ -140,6 +140,22 @@ class MemberLease:
         self._patch(body, current["metadata"]["resourceVersion"])
         return True
 
+    def delete(self) -> bool:
+        """Delete our member Lease (after `write(..., left=True)`: peers that miss the deletion
+        saw us leave). False when we may not (the agent's role allows no deletes): it then
+        stays, saying we left, until our Pod goes."""
+        if not self._version:
+            return True
+        try:
+            self._kube.delete(LEASES, self.name, namespace=self._namespace,
+                              preconditions={"resourceVersion": self._version})
+        except (errors.NotFound, errors.Conflict):  # gone, or written by someone else since: not ours to end
+            pass
+        except errors.Forbidden:
+            return False
+        self._version = ""
+        return True
+
     def _patch(self, body: JSON, version: str) -> None:
         """A merge patch conditional on `version`; remembers the version it makes."""
         # No managedFields kept, as on a task's Lease (`record.encode_patch` says why).

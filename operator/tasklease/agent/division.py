@@ -1,0 +1,96 @@
+"""How the agents of a queue divide its tasks: rendezvous hashing (pure, no I/O).
+
+Each task belongs to the agent that weighs it highest (`owner`); agents that know the same
+peers never race for a task while each has one of its own. A task is taken from its owner
+(stolen) only by an agent that has none, busy owners first, the task's deputy first
+(`divide`).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+
+def weight(holder: str, name: str) -> float:
+    """`holder`'s rendezvous weight for task `name`, in [0, 1): the same on every look."""
+    digest = hashlib.blake2b(f"{holder}\0{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+Ownership = tuple[float, str, str]  # (the owner's weight, the owner, its deputy or "")
+
+
+def owner(peers: Iterable[str], name: str) -> Ownership:
+    """Who task `name` belongs to among `peers`: the one that weighs it highest; and its
+    deputy, the next one, which is the first to take it from an owner that does not."""
+    # The top two in one pass (every agent computes this for every task that reaches its window).
+    first = second = (-1.0, "")
+    for peer in peers:
+        entry = (weight(peer, name), peer)
+        if entry > first:
+            first, second = entry, first
+        elif entry > second:
+            second = entry
+    return first[0], first[1], second[1]
+
+
+def owned_weight(me: str, peers: Iterable[str], name: str) -> float | None:
+    """`me`'s weight for task `name` when `me` owns it among `peers` (as `owner` says); None
+    as soon as one peer weighs it higher. Most tasks are another's, and a few hashes then
+    decide instead of one per peer: at 16 agents, hashing every peer for every task in the
+    window was the largest part of a look."""
+    mine = (weight(me, name), me)
+    for peer in peers:
+        if peer != me and (weight(peer, name), peer) > mine:
+            return None
+    return mine[0]
+
+
+class Owner(enum.IntEnum):
+    """What the owner of another agent's task is doing, in the order a thief takes from it."""
+
+    BUSY = 0  # holds a lease and is not claiming: long work, it will not take more soon
+    IDLE = 1  # holds nothing and is not claiming: it takes its task now, if it is alive
+
+
+@dataclass(frozen=True)
+class Division:
+    """One look's candidates divided among the agents at work (rendezvous hashing): each
+    task belongs to the agent that weighs it highest. Agents that know the same peers never
+    race for a task while each has one of its own; a task is taken from its owner (stolen)
+    only by an agent that has none, and never from an owner that is claiming (its tasks
+    are not candidates to its peers: `QueueView` parks them)."""
+
+    names: list[str]  # best first: ours in our weight order or, if none is ours, the others' (`divide`)
+    ours: int  # how many are ours: all of `names`, or none
+    owner: Owner | None  # when none is ours: what the owner of the first is doing
+    deputy: bool = False  # when none is ours: we are the first's deputy, the first thief in line
+    # When none may be taken now: how soon to look again (a new task ripens, `_RIPE_S`, or a
+    # claiming owner would be gone, were it silent), unless something changes first.
+    wait_s: float = 0.0
+    held_back: bool = False  # none may be taken: a higher band is left to claiming peers
+
+
+def divide(me: str, names: list[str], owners: Callable[[str], Ownership], busy: Collection[str] = ()) -> Division:
+    """Divide `names` (one band's oldest) between `me` and the peers `owners` names. When
+    none is ours, the others' come in the order a thief should take them (`Owner`), ours
+    as deputy first, then by our weight, so that thieves too spread out."""
+    ours: list[tuple[float, str]] = []  # (our weight, name): an owner's weight is the top one
+    others: list[tuple[str, str, str]] = []  # (name, its owner, its deputy)
+    for name in names:
+        top, peer, deputy = owners(name)
+        if peer == me:
+            ours.append((top, name))
+        else:
+            others.append((name, peer, deputy))
+    if ours:
+        ours.sort(reverse=True)
+        return Division(names=[name for _, name in ours], ours=len(ours), owner=None)
+    # Only now our weight for the others': most looks find some of their own (a hash each saved).
+    later = sorted((Owner.BUSY if peer in busy else Owner.IDLE, deputy != me, -weight(me, name), name)
+                   for name, peer, deputy in others)
+    return Division(names=[entry[3] for entry in later], ours=0, owner=later[0][0] if later else None,
+                    deputy=bool(later) and not later[0][1])
