@@ -333,7 +333,8 @@ def test_an_open_task_kept_compact_reads_back_the_same() -> None:
     base = {"metadata": {"name": "t-1", "namespace": "ns", "uid": "u-1", "creationTimestamp": "2026-01-01T00:00:00Z",
                          "resourceVersion": "7", "managedFields": [{"manager": "kubectl"}]},
             "spec": {"queue": "q", "payload": {}, "priority": 0, "maxAttempts": 3, "leaseDurationSeconds": 30,
-                     "backoff": {"policy": "Exponential", "initialSeconds": 5, "maxSeconds": 300}, "cancel": False}}
+                     "backoff": {"policy": "Exponential", "initialSeconds": 5, "maxSeconds": 300, "jitter": True},
+                     "cancel": False}}
     rich = {**base, "spec": {**base["spec"], "payload": {"a": [1, {"b": None}]}, "priority": 7, "maxAttempts": 1,
                              "deadline": "2026-02-01T00:00:00Z", "cancel": True,
                              "backoff": {"policy": "Exponential", "initialSeconds": 1, "maxSeconds": 300}},

@@ -440,7 +440,7 @@ def test_a_task_leaving_the_cancel_watch_during_an_outage_is_a_warning_not_a_tra
     away = Kube.connect(kubeconfig=str(_unreachable(cluster, tmp_path)))
     follower = _QueueFollower(away, ("ns", "q"))
     told: list[str] = []
-    follower.watchers["t"] = ("uid-1", told.append)
+    follower.watchers["t"] = ("uid-1", 0, told.append)
     with caplog.at_level(logging.WARNING, logger="tasklease.agent.cancel"):
         follower.seen("DELETED", {"metadata": {"name": "t", "namespace": "ns", "uid": "uid-1"}})
     assert told == []  # not known to be deleted: the next renewal decides

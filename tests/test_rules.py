@@ -80,7 +80,7 @@ def test_a_claim_moves_the_epoch_up_by_one_from_the_highest_seen() -> None:
 
 
 def test_requeue_backs_off_then_dead_letters_when_attempts_are_spent() -> None:
-    task = _task(maxAttempts=2, backoff={"initialSeconds": 5, "maxSeconds": 60})
+    task = _task(maxAttempts=2, backoff={"initialSeconds": 5, "maxSeconds": 60, "jitter": False})
     first = requeued(claimed(task, None, "pod/1", NOW), task.spec, outcome="Expired", message="", now=NOW,
                      backoff=True)
     assert (first.state, first.not_before) == (record.FREE, NOW + timedelta(seconds=5))

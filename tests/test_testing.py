@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 def test_a_backoff_ends_when_the_clock_is_advanced_past_it() -> None:
     cluster = FakeCluster()
     cluster.producer().submit("t", TaskSpec.model_validate(
-        {"queue": "q", "backoff": {"initialSeconds": 60, "maxSeconds": 60}}))
+        {"queue": "q", "backoff": {"initialSeconds": 60, "maxSeconds": 60, "jitter": False}}))
     with cluster.agent() as agent:
         agent.claim("q", timeout=0).fail("later")
         assert cluster.producer().get("t").status.reason == "BackingOff"

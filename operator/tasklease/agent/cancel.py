@@ -1,5 +1,8 @@
 """Instant cancel: a held task's holder hears of `spec.cancel` or the Task's deletion at once.
 
+So it does of its attempt ended by the operator (an attempt timeout, an expiry), which the
+Task's status shows.
+
 Without this the holder learns it at its next renewal (a third of the lease duration).
 An agent's `Followers` keep one watch per (namespace, queue) for every task the agent holds
 in that queue: a claim registers its task, the end of the attempt unregisters it. While the
@@ -38,7 +41,7 @@ class _QueueFollower:
         self.key = key
         self.kube = kube
         self._lock = lock or threading.Lock()
-        self.watchers: dict[str, tuple[str, OnCancel]] = {}  # name → (uid, callback)
+        self.watchers: dict[str, tuple[str, int, OnCancel]] = {}  # name → (uid, epoch, callback)
         self.ended: OrderedDict[str, str] = OrderedDict()  # uid → why, newest last
         # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
         # Only identities are kept: the events carry what a cancel needs.
@@ -57,6 +60,19 @@ class _QueueFollower:
                 self.verify(meta["name"], meta["uid"])
         elif (obj.get("spec") or {}).get("cancel"):
             self._end(meta["name"], meta["uid"], f"task {meta['namespace']}/{meta['name']} was cancelled")
+        else:
+            self._attempt_ended(meta["name"], meta["uid"], obj.get("status") or {})
+
+    def _attempt_ended(self, name: str, uid: str, status: JSON) -> None:
+        """Someone else ended the attempt we follow. Not remembered like a cancel: the task
+        goes on, and a later claim of it is another attempt."""
+        with self._lock:
+            found, epoch, callback = self.watchers.get(name, ("", 0, None))
+            why = attempt_over(status, epoch) if callback is not None and found == uid else None
+            if why is None or callback is None:
+                return
+            del self.watchers[name]
+        callback(f"task {self.key[0]}/{name}: {why}")
 
     def verify(self, name: str, uid: str) -> None:
         """The task left (or was never seen by) the watch: ask the API server why. Leaving the
@@ -73,14 +89,15 @@ class _QueueFollower:
             self._end(name, uid, f"task {self.key[0]}/{name} was deleted")
         elif (live.get("spec") or {}).get("cancel"):
             self._end(name, uid, f"task {self.key[0]}/{name} was cancelled")
-        # else finished meanwhile: its holder hears it from the Lease at its next renewal
+        else:  # finished meanwhile: by someone else (a last attempt timed out), or by its holder
+            self._attempt_ended(name, uid, live.get("status") or {})
 
     def _end(self, name: str, uid: str, why: str) -> None:
         with self._lock:
             self.ended[uid] = why
             while len(self.ended) > _REMEMBER:
                 self.ended.popitem(last=False)
-            found, callback = self.watchers.get(name, ("", None))
+            found, _, callback = self.watchers.get(name, ("", 0, None))
             if callback is None or found != uid:
                 return
             del self.watchers[name]
@@ -125,13 +142,15 @@ class Followers:
                     del self._shared[key]
                 left = dict(follower.watchers)
                 follower.watchers.clear()
-            for name, (uid, callback) in left.items():
-                self.follow(namespace=namespace, queue=queue, name=name, uid=uid, on_cancel=callback)
+            for name, (uid, epoch, callback) in left.items():
+                self.follow(namespace=namespace, queue=queue, name=name, uid=uid, on_cancel=callback, epoch=epoch)
         return unshare
 
-    def follow(self, *, namespace: str, queue: str, name: str, uid: str, on_cancel: OnCancel) -> Following:
+    def follow(self, *, namespace: str, queue: str, name: str, uid: str, on_cancel: OnCancel,
+               epoch: int = 0) -> Following:
         """Call `on_cancel(why)` once if Task `namespace/name` (this `uid`) is cancelled or deleted
-        (at once, in this thread, if that is known already)."""
+        (at once, in this thread, if that is known already), or (given its `epoch`) its status
+        shows that attempt ended by someone else."""
         key = (namespace, queue)
         with self._lock:
             follower = self._shared.get(key) or self._own.get(key)
@@ -140,7 +159,7 @@ class Followers:
                 follower = self._own[key] = _QueueFollower(self._kube, key, lock=self._lock)
             why = follower.ended.get(uid)
             if why is None:
-                follower.watchers[name] = (uid, on_cancel)
+                follower.watchers[name] = (uid, epoch, on_cancel)
         following = Following(self, key, name, uid)
         if why is not None:
             on_cancel(why)
@@ -193,3 +212,21 @@ class Followers:
             followed = follower.watchers.get(name, ("",))[0] == uid
         if followed and name not in follower.reflector.store:
             follower.verify(name, uid)
+
+
+# The endings a holder writes itself: it knows of them already.
+_HOLDER_ENDINGS = ("Succeeded", "Failed", "Released")
+
+
+def attempt_over(status: JSON, epoch: int) -> str | None:
+    """Why attempt `epoch` is over by someone else's doing, as the Task's status (the operator's
+    projection of the Lease) tells it; None when it does not say so. A status from before the
+    claim shows older attempts only."""
+    if epoch <= 0:
+        return None
+    for attempt in status.get("history") or []:
+        outcome = attempt.get("outcome") or ""
+        if attempt.get("attempt") == epoch and outcome and outcome not in _HOLDER_ENDINGS:
+            return f"attempt {epoch} ended {outcome}: {attempt.get('message') or outcome}"
+    later = int(status.get("attempt") or 0)
+    return f"attempt {later} started after attempt {epoch}" if later > epoch else None

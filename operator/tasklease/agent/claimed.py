@@ -88,7 +88,7 @@ class ClaimedTask:
                 if method is not None:
                     method(why)
             self._following = followers.follow(namespace=held.namespace, queue=held.spec.queue, name=held.name,
-                                               uid=held.uid, on_cancel=on_cancel)
+                                               uid=held.uid, on_cancel=on_cancel, epoch=held.epoch)
             if self._stop.is_set():  # lost in that call: nothing more to follow
                 self._following.close()
         if not self._stop.is_set():

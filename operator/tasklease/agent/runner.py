@@ -6,7 +6,9 @@ temporary directory is writable), and in TASKLEASE_PAYLOAD when it is small enou
 environment (up to 64 KiB). While it
 runs the lease is renewed; the moment ownership is lost the command gets SIGTERM, then
 SIGKILL after a grace period. Exit 0 completes the task with the tail of its stdout as the
-result; any other exit fails the attempt (retried with backoff until maxAttempts).
+result; any other exit fails the attempt (retried with backoff until maxAttempts). A command
+still running after the timeout (--timeout, else the Task's attemptTimeoutSeconds) is
+stopped the same way, and its attempt fails with reason AttemptTimedOut.
 
 With --loop one bad task (a command that cannot start, a lost lease) does not stop the
 loop, and an unreachable API server is retried with capped backoff, at start too; only
@@ -47,7 +49,7 @@ MAX_ENV_PAYLOAD = 64 * 1024
 
 class Runner:
     def __init__(self, agent: Agent, *, queue: str, argv: Sequence[str], grace_s: float = 10.0,
-                 concurrency: int = 1, drain: bool = False) -> None:
+                 concurrency: int = 1, drain: bool = False, timeout_s: float | None = None) -> None:
         if concurrency < 1:
             raise errors.Invalid(f"--concurrency must be at least 1, not {concurrency}")
         self.agent = agent
@@ -56,6 +58,7 @@ class Runner:
         self.grace_s = grace_s
         self.concurrency = concurrency
         self.drain = drain
+        self.timeout_s = timeout_s  # None: the Task's attemptTimeoutSeconds, if it has one
         self.stopping = threading.Event()
         self._drain_over = threading.Event()  # the grace of a drain ran out (set at once without --drain)
         self._children: set[subprocess.Popen[bytes]] = set()
@@ -155,13 +158,19 @@ class Runner:
                 env["TASKLEASE_PAYLOAD"] = payload
             else:
                 env.pop("TASKLEASE_PAYLOAD", None)
-            code, tail, err_tail = self._execute(task, env, payload.encode())
+            limit = self.timeout_s if self.timeout_s is not None else task.held.spec.attempt_timeout_seconds
+            code, tail, err_tail, timed_out = self._execute(task, env, payload.encode(), limit)
         if task.lost.is_set():
             raise errors.LostLease(f"lost {task.namespace}/{task.name} (attempt {task.epoch}): {task.lost_reason}; "
                                    f"the command was stopped")
         if self._drain_over.is_set():  # stopped (a drain: its grace ran out): the command did not finish
             task.release(f"agent {task.holder} was stopped")
             return 0 if self.drain else errors.RUN_STOPPED
+        if timed_out:
+            task.fail(failure_message(f"{models.ATTEMPT_TIMED_OUT}: {self.argv[0]} ran past its timeout of "
+                                      f"{limit:g}s and was stopped", err_tail.text()), retryable=True)
+            log.warning("%s/%s attempt %d timed out after %gs", task.namespace, task.name, task.epoch, limit)
+            return errors.RUN_COMMAND_FAILED
         if code == 0:
             task.complete(tail.text())
             log.info("completed %s/%s (attempt %d)", task.namespace, task.name, task.epoch)
@@ -170,8 +179,10 @@ class Runner:
         log.warning("%s/%s attempt %d failed: exit code %d", task.namespace, task.name, task.epoch, code)
         return errors.RUN_COMMAND_FAILED
 
-    def _execute(self, task: ClaimedTask, env: dict[str, str], stdin: bytes) -> tuple[int, _Tail, _Tail]:
-        """Check ownership, register the kill on loss, then spawn: a loss at any moment stops it."""
+    def _execute(self, task: ClaimedTask, env: dict[str, str], stdin: bytes,
+                 limit_s: float | None) -> tuple[int, _Tail, _Tail, bool]:
+        """Check ownership, register the kill on loss, then spawn: a loss at any moment stops it,
+        and so does `limit_s` running out (then the last value is True)."""
         log.info("running %s for %s/%s (attempt %d)", self.argv[0], task.namespace, task.name, task.epoch)
         spawned: list[subprocess.Popen[bytes]] = []
 
@@ -200,7 +211,13 @@ class Runner:
         err_reader.start()
         # From a thread: a command that does not read a large payload must not block us.
         threading.Thread(target=_feed, args=(child, stdin), daemon=True).start()
-        code = child.wait()
+        try:
+            code = child.wait(limit_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self._terminate(child)
+            code = child.wait()
         for t, r in ((tail, reader), (err_tail, err_reader)):
             r.join(_DRAIN_S)
             if r.is_alive():
@@ -214,7 +231,7 @@ class Runner:
             err_reader.join(_DRAIN_S)
         with self._child_lock:
             self._children.discard(child)
-        return code, tail, err_tail
+        return code, tail, err_tail, timed_out
 
     def _terminate_children(self) -> None:
         for child in list(self._children):  # no lock: called from a signal handler too

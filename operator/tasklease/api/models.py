@@ -7,6 +7,7 @@ classes by `tasklease.api.crd`; a test fails when the checked-in file is stale. 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Final
 
@@ -26,6 +27,8 @@ MAX_HISTORY: Final = 10
 # refused by the claim rule and failed by the operator (reason InvalidPayload).
 MAX_PAYLOAD_DEPTH: Final = 64
 DNS_LABEL: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# The outcome of an attempt that ran past its attemptTimeoutSeconds, and the reason of its Event.
+ATTEMPT_TIMED_OUT: Final = "AttemptTimedOut"
 
 
 class _Model(BaseModel):
@@ -53,12 +56,24 @@ class Backoff(_Model):
                     "maxSeconds); Fixed always waits initialSeconds.")
     initial_seconds: int = Field(default=5, ge=0, le=3600, description="Delay before the second attempt.")
     max_seconds: int = Field(default=300, ge=0, le=86400, description="Upper bound of any delay.")
+    jitter: bool = Field(
+        default=True,
+        description="Wait a random time between half the delay and the whole of it (equal jitter), so that "
+                    "tasks failed together (an outage) do not all come back at the same moment. False: "
+                    "exactly the delay.")
 
     def delay_after(self, attempt: int) -> int:
-        """Seconds to wait before the attempt that follows `attempt` (1-based)."""
+        """The delay before the attempt that follows `attempt` (1-based), before jitter: the
+        longest wait `jittered` may choose."""
         if self.policy is BackoffPolicy.FIXED:
             return min(self.initial_seconds, self.max_seconds)
         return int(min(self.initial_seconds * 2 ** max(attempt - 1, 0), self.max_seconds))
+
+    def jittered(self, attempt: int, rand: Callable[[], float]) -> float:
+        """Seconds to wait before the attempt that follows `attempt`: with `jitter`, uniform in
+        [delay/2, delay] drawn with `rand` (uniform in [0, 1), injected so tests pin it)."""
+        delay = self.delay_after(attempt)
+        return delay / 2 + rand() * delay / 2 if self.jitter else float(delay)
 
 
 class TaskSpec(_Model):
@@ -99,6 +114,12 @@ class TaskSpec(_Model):
         default=None,
         description="RFC 3339 time before which no attempt starts (a delayed start); backoff never ends "
                     "earlier than this either.")
+    attempt_timeout_seconds: int | None = Field(
+        default=None, ge=1, le=604800,
+        description="Longest an attempt may run, from its claim as the operator observed it: then the operator "
+                    "ends it as a failure with reason AttemptTimedOut (retried with backoff, counted against "
+                    "maxAttempts) and its holder loses the lease. Default: the operator's "
+                    "--attempt-timeout (none: only the lease and spec.deadline bound an attempt).")
     ttl_seconds_after_finished: int | None = Field(
         default=None, ge=0,
         description="Seconds after the task finished (Succeeded, Failed or Cancelled) when the operator "
@@ -155,7 +176,8 @@ class Attempt(_Model):
     ended_at: datetime | None = None
     outcome: str = Field(
         default="", max_length=64,
-        description="Succeeded, Failed, Expired, Released, Requeued or Cancelled; empty while running.")
+        description="Succeeded, Failed, Expired, AttemptTimedOut, Released, Requeued or Cancelled; empty while "
+                    "running.")
     message: str = Field(default="", max_length=MAX_ERROR_CHARS)
 
 
@@ -187,6 +209,7 @@ PRINTER_COLUMNS: Final = [
     {"name": "Not-Before", "type": "string", "jsonPath": ".spec.notBefore"},
     {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority", "priority": 1},
     {"name": "Max", "type": "integer", "jsonPath": ".spec.maxAttempts", "priority": 1},
+    {"name": "Timeout", "type": "integer", "jsonPath": ".spec.attemptTimeoutSeconds", "priority": 1},
     {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
     {"name": "Error", "type": "string", "jsonPath": ".status.lastError", "priority": 1},
 ]

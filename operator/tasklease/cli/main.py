@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"upper bound of the backoff (default {_SPEC.backoff.max_seconds})")
     p.add_argument("--backoff-policy", choices=[p.value for p in models.BackoffPolicy],
                    help=f"(default {_SPEC.backoff.policy.value})")
+    p.add_argument("--backoff-jitter", action=argparse.BooleanOptionalAction,
+                   help="wait a random time between half the backoff and all of it (default on)")
+    p.add_argument("--attempt-timeout", type=int, metavar="SECONDS",
+                   help="end an attempt that runs longer than this (AttemptTimedOut; spec.attemptTimeoutSeconds)")
     p.add_argument("--deadline", help="RFC 3339 time after which the task fails (DeadlineExceeded)")
     p.add_argument("--not-before", help="RFC 3339 time before which no attempt starts (a delayed start)")
     p.add_argument("--ttl", type=int, dest="ttl", metavar="SECONDS",
@@ -195,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --loop: run up to N commands at a time (default 1)")
     p.add_argument("--drain", action="store_true",
                    help="on SIGTERM, claim no more and let running commands finish within --grace; exit 0")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="stop the command (SIGTERM, SIGKILL after --grace) once it has run this long and fail "
+                        "the attempt with reason AttemptTimedOut (default: the Task's attemptTimeoutSeconds; "
+                        "none if it has none)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
     p = command("completion", "print the shell completion script for bash or zsh", cmd_completion,

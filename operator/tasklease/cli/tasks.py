@@ -122,6 +122,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
             print(f"Retried:    {spec.get('maxAttempts', 3)} more attempts counted from attempt {rec.budget_from + 1}")
     if spec.get("notBefore"):
         print(f"Starts:     not before {spec['notBefore']}")
+    if spec.get("attemptTimeoutSeconds") is not None:
+        print(f"Timeout:    each attempt ends AttemptTimedOut after {spec['attemptTimeoutSeconds']}s")
     if spec.get("ttlSecondsAfterFinished") is not None:
         print(f"Cleanup:    deleted {spec['ttlSecondsAfterFinished']}s after it finishes")
     if status.result:
@@ -199,11 +201,12 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, Any] = {"queue": args.queue, "payload": payload}
     for flag, field in (("priority", "priority"), ("max_attempts", "maxAttempts"),
                         ("lease_duration", "leaseDurationSeconds"), ("deadline", "deadline"),
-                        ("not_before", "notBefore"), ("ttl", "ttlSecondsAfterFinished")):
+                        ("not_before", "notBefore"), ("ttl", "ttlSecondsAfterFinished"),
+                        ("attempt_timeout", "attemptTimeoutSeconds")):
         if getattr(args, flag) is not None:
             spec[field] = getattr(args, flag)
     backoff = {k: v for k, v in (("initialSeconds", args.backoff_initial), ("maxSeconds", args.backoff_max),
-                                 ("policy", args.backoff_policy)) if v is not None}
+                                 ("policy", args.backoff_policy), ("jitter", args.backoff_jitter)) if v is not None}
     if backoff:
         spec["backoff"] = backoff
     meta = {"name": args.name} if args.name else {"generateName": f"{args.queue}-"}

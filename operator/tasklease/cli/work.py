@@ -72,11 +72,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
+    if args.timeout is not None and args.timeout <= 0:
+        raise errors.Invalid(f"--timeout must be more than 0 seconds (got {args.timeout:g})")
     kube = kube_of(args)
     # Leaving the block leaves the queue: our peers divide our share at once.
     with Agent(kube, identity=Identity.from_environment()) as agent, _no_such_namespace_is_not_found(kube):
         runner = Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace, concurrency=args.concurrency,
-                        drain=args.drain)
+                        drain=args.drain, timeout_s=args.timeout)
         return runner.run(loop=args.loop, wait_s=args.wait)
 
 

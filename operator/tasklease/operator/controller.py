@@ -66,7 +66,7 @@ def run_operator(args: argparse.Namespace) -> int:
     identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}/{uuid.uuid4().hex[:8]}"
     reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
                             default_ttl_s=args.ttl_seconds_after_finished, coalesce_s=args.coalesce,
-                            happy_events=args.events == "all")
+                            happy_events=args.events == "all", attempt_timeout_s=args.attempt_timeout)
     stop = threading.Event()
     ready = threading.Event()
     elector = None

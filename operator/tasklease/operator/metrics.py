@@ -18,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tasklease.api.build import version
-from tasklease.api.models import Phase
+from tasklease.api.models import ATTEMPT_TIMED_OUT, Phase
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -38,6 +38,9 @@ DEAD_LETTERS = Counter("tasklease_dead_letters_total", "Tasks dead-lettered afte
                        registry=REGISTRY)
 RETRIES = Counter("tasklease_retries_total", "Finished tasks given a fresh budget by `tasklease retry`.", QUEUE,
                   registry=REGISTRY)
+ATTEMPT_TIMEOUTS = Counter("tasklease_attempt_timeouts_total",
+                           "Attempts the operator ended for running past their attempt timeout.", QUEUE,
+                           registry=REGISTRY)
 CLEANUPS = Counter("tasklease_cleanups_total", "Finished tasks deleted after their ttlSecondsAfterFinished.", QUEUE,
                    registry=REGISTRY)
 QUEUE_WAIT = Histogram("tasklease_queue_wait_seconds",
@@ -60,8 +63,8 @@ MALFORMED = Counter("tasklease_malformed_objects_total",
 LEADER = Gauge("tasklease_operator_leader", "1 while this replica is the active one.", registry=REGISTRY)
 PENDING_WORK = Gauge("tasklease_operator_queue_depth", "Tasks waiting to be reconciled.", registry=REGISTRY)
 
-_PER_QUEUE: Final = (CLAIMS, REQUEUES, DEAD_LETTERS, RETRIES, CLEANUPS, QUEUE_WAIT)
-ATTEMPT_OUTCOMES: Final = ("Succeeded", "Failed", "Expired", "Released", "Requeued", "Cancelled")
+_PER_QUEUE: Final = (CLAIMS, REQUEUES, DEAD_LETTERS, RETRIES, CLEANUPS, QUEUE_WAIT, ATTEMPT_TIMEOUTS)
+ATTEMPT_OUTCOMES: Final = ("Succeeded", "Failed", "Expired", ATTEMPT_TIMED_OUT, "Released", "Requeued", "Cancelled")
 
 
 def known_queue(namespace: str, queue: str) -> None:

@@ -43,6 +43,10 @@ def add_operator_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=FORMATS, default="text",
                    help="text: one readable line per event (the default); json: one JSON object per line, "
                         "with time, level, logger and message")
+    p.add_argument("--attempt-timeout", type=int, metavar="SECONDS",
+                   help="end an attempt that runs longer than this, from its claim as the operator saw it, as a "
+                        "failure with reason AttemptTimedOut (retried with backoff), unless the Task's "
+                        "spec.attemptTimeoutSeconds says otherwise (default: none)")
     p.add_argument("--ttl-seconds-after-finished", type=int, metavar="SECONDS",
                    help="delete finished Tasks (and their Leases) this long after they finish, unless their "
                         "spec.ttlSecondsAfterFinished says otherwise; dead-lettered ones are kept (default: keep all)")
@@ -60,6 +64,8 @@ def validate(args: argparse.Namespace) -> None:
                              "lease before its holder's own renew deadline")
     if args.ttl_seconds_after_finished is not None and args.ttl_seconds_after_finished < 0:
         raise errors.Invalid(f"--ttl-seconds-after-finished must be >= 0 (got {args.ttl_seconds_after_finished})")
+    if args.attempt_timeout is not None and args.attempt_timeout < 1:
+        raise errors.Invalid(f"--attempt-timeout must be at least 1 second (got {args.attempt_timeout})")
     if args.workers < 1:
         raise errors.Invalid(f"--workers must be at least 1 (got {args.workers})")
     if not 0 <= args.http_port <= 65535:

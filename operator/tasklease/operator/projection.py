@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
+from tasklease.api import models
 from tasklease.api.timestamps import parse_time
 from tasklease.protocol import LeaseRecord, record
 from tasklease.api.models import MAX_ERROR_CHARS, MAX_HISTORY, MAX_RESULT_BYTES, Condition, Phase, TaskStatus
@@ -161,4 +162,4 @@ def transitions(old: TaskStatus, new: TaskStatus) -> list[Transition]:
     return out
 
 
-_ATTEMPT_EVENTS = ("Expired", "Failed", "Released", "Undone")
+_ATTEMPT_EVENTS = ("Expired", "Failed", "Released", "Undone", models.ATTEMPT_TIMED_OUT)

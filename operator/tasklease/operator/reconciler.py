@@ -23,6 +23,7 @@ do not write until they lead.
 from __future__ import annotations
 
 import logging
+import random
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
-from tasklease.operator import cleanup, metrics, projection
+from tasklease.operator import cleanup, metrics, projection, timeouts
 from tasklease.operator.claimable import Waits
 from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
@@ -78,8 +79,10 @@ class Reconciler:
     def __init__(self, kube: Kube, *, grace_s: float, namespaces: list[str] | None = None, workers: int = 2,
                  monotonic: Monotonic = time.monotonic, clock: Callable[[], datetime] | None = None,
                  component: str = "tasklease-operator", default_ttl_s: int | None = None, coalesce_s: float = 0.0,
-                 happy_events: bool = False) -> None:
+                 happy_events: bool = False, attempt_timeout_s: int | None = None,
+                 rand: Callable[[], float] = random.random) -> None:
         self.kube = kube
+        self.rand = rand  # the jitter of a backoff the operator puts right (tests pin it)
         self.namespaces = namespaces  # None: all
         # The API server's time: the Task's times are judged by it. A claim's sighting is
         # stamped with its latest bound (a claim is never taken for early wrongly), the rest
@@ -105,6 +108,7 @@ class Reconciler:
         self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
         self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic, grace_s=grace_s)
+        self._attempts: timeouts.AttemptClock[Key] = timeouts.AttemptClock(monotonic, default_s=attempt_timeout_s)
         self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
         self._pending: OrderedDict[Key, None] = OrderedDict()
         self._soon: deque[tuple[float, Key]] = deque()  # coalescing: (due, key), in due order
@@ -174,6 +178,7 @@ class Reconciler:
             self._sightings.pop(key, None)
             self._reported.pop(key, None)
             self._lease_clock.forget(key)
+            self._attempts.forget(key)
             return
         if rec.malformed:
             log.warning("lease %s/%s: ignoring what cannot be read of it (%s)", *key, ", ".join(rec.malformed))
@@ -194,6 +199,7 @@ class Reconciler:
                     rec.epoch, rec.state, self.late_clock() if held else self.clock(),
                     witnessed=not held and before is not None and before.state == record.HELD
                     and before.epoch == rec.epoch)
+        self._attempts.observe(key, rec)  # an attempt's timeout runs from when we first see its claim
         if rec.state == record.HELD:
             # The moment we first see this version is what expiry is measured from.
             self._lease_clock.observe(key, rec.resource_version)
@@ -464,7 +470,11 @@ class Reconciler:
             timed_out = self._lease_clock.expired(key, rec.resource_version, view.spec.lease_duration_seconds)
             silent = self._lease_clock.silent_for(key)
         if not (pod_gone or timed_out):
-            return rec
+            with self._cond:
+                overran = self._attempts.overran(key, rec, view.spec)
+            if overran is None:
+                return rec
+            return self._remember(rec, timeouts.time_out(self.protocol, view, rec, overran, self._attempts.default_s))
         cause = "pod-gone" if pod_gone else "timeout"
         written = self.protocol.expire(view, rec)
         metrics.EXPIRATIONS.labels(view.namespace, view.spec.queue, cause).inc()
@@ -474,23 +484,26 @@ class Reconciler:
         return self._remember(rec, written)
 
     def _backoff_end(self, view: TaskView, rec: LeaseRecord, sighting: Sighting) -> datetime | None:
-        """The end of a free Lease's backoff by our clock, when the one it says is off by more
-        than `_SLACK`; None when it is right. The holder that failed wrote not-before with its
-        clock: we measure the Task's backoff from when we saw the attempt end. A Lease found
-        free (we did not see the attempt end) keeps its not-before, but no later than a
-        backoff from when we found it."""
+        """The end of a free Lease's backoff by our clock, when the one it says lies outside the
+        Task's (jittered) backoff window by more than `_SLACK`; None when it is inside. The holder
+        that failed wrote not-before with its clock: we measure the Task's backoff from when we
+        saw the attempt end. A Lease found free (we did not see the attempt end) keeps its
+        not-before, but no later than a backoff from when we found it."""
         last = rec.history[-1] if rec.history else None
         if last is None or last.attempt != rec.epoch or last.outcome not in _BACKED_OFF or sighting.epoch != rec.epoch:
             return None
-        ours = sighting.at + timedelta(seconds=view.spec.backoff.delay_after(rec.epoch - rec.budget_from))
-        if view.spec.not_before is not None:
-            ours = max(ours, view.spec.not_before)
+        backoff, attempt = view.spec.backoff, rec.epoch - rec.budget_from
+
+        def end(rand: Callable[[], float]) -> datetime:
+            at = sighting.at + timedelta(seconds=backoff.jittered(attempt, rand))
+            return max(at, view.spec.not_before) if view.spec.not_before is not None else at
+        earliest, latest = end(lambda: 0.0), end(lambda: 1.0)
         if not sighting.witnessed:
-            if rec.not_before is None or rec.not_before <= ours + _SLACK:
+            if rec.not_before is None or rec.not_before <= latest + _SLACK:
                 return None
-        elif rec.not_before is not None and abs(rec.not_before - ours) <= _SLACK:
+        elif rec.not_before is not None and earliest - _SLACK <= rec.not_before <= latest + _SLACK:
             return None
-        return ours
+        return end(self.rand)
 
     def _early(self, view: TaskView, rec: LeaseRecord, sighting: Sighting | None) -> tuple[str, datetime] | None:
         """(why, when it may start) when the claim that `rec` holds was first seen (by the
@@ -629,6 +642,8 @@ class Reconciler:
                 at = self._lease_clock.expires_at(key, view.spec.lease_duration_seconds)
                 if at is not None:
                     wakes.append(at)
+                if (due := self._attempts.due_at(key, rec, view.spec)) is not None:
+                    wakes.append(due)
             if view.spec.deadline is not None and (rec is None or rec.state != record.CLOSED):
                 wakes.append(self.monotonic() + max((view.spec.deadline - self.clock()).total_seconds(), 0.0))
             if wakes:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import functools
+import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
@@ -155,19 +157,22 @@ def ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", c
         history = (*history[:-1], last)
     # lastError tells why a task is not done yet; a success has nothing left to explain.
     error = "" if close == models.Phase.SUCCEEDED.value else (
-        message[:models.MAX_ERROR_CHARS] if outcome in ("Failed", "Expired") or close == models.Phase.FAILED.value
+        message[:models.MAX_ERROR_CHARS]
+        if outcome in ("Failed", "Expired", models.ATTEMPT_TIMED_OUT) or close == models.Phase.FAILED.value
         else rec.error)
     return replace(rec, holder="", renewed_at=now, outcome=close, reason=reason, result=result,
                    error=error, not_before=not_before, history=history)
 
 
 def requeued(rec: LeaseRecord, spec: models.TaskSpec, *, outcome: str, message: str, now: datetime,
-              backoff: bool) -> LeaseRecord:
-    """Free for the next attempt, or dead-lettered when the attempts are spent (I3)."""
+              backoff: bool, rand: Callable[[], float] = random.random) -> LeaseRecord:
+    """Free for the next attempt, or dead-lettered when the attempts are spent (I3). The
+    backoff is jittered with `rand` (`models.Backoff.jittered`)."""
     if rec.epoch - rec.budget_from >= spec.max_attempts:
         return ended(rec, outcome=outcome, now=now, message=message, close=models.Phase.FAILED.value,
                       reason="DeadLettered")
-    not_before = now + timedelta(seconds=spec.backoff.delay_after(rec.epoch - rec.budget_from)) if backoff else None
+    not_before = (now + timedelta(seconds=spec.backoff.jittered(rec.epoch - rec.budget_from, rand))
+                  if backoff else None)
     if spec.not_before is not None and spec.not_before > now:
         not_before = max(not_before or spec.not_before, spec.not_before)  # backoff respects a delayed start
     return ended(rec, outcome=outcome, now=now, message=message, not_before=not_before)

@@ -175,6 +175,14 @@ class Protocol:
             raise errors.Invalid(f"lease {rec.namespace}/{rec.name} is {rec.state}, not free")
         return self._write(replace(rec, not_before=not_before))
 
+    def time_out(self, task: TaskView, rec: LeaseRecord, message: str) -> LeaseRecord:
+        """held(A, E) → free after backoff (or dead-lettered), attempt E ended AttemptTimedOut: it ran
+        past its attempt timeout. Conflict if the Lease moved meanwhile (the holder ended it first)."""
+        if rec.state != HELD:
+            raise errors.Invalid(f"lease {rec.namespace}/{rec.name} is {rec.state}, not held")
+        return self._write(requeued(rec, task.spec, outcome=models.ATTEMPT_TIMED_OUT, message=message,
+                                     now=self.clock(), backoff=True))
+
     def requeue(self, task: TaskView, rec: LeaseRecord | None, message: str = "requeued") -> LeaseRecord:
         """held/free → free now, without backoff. Refused for closed leases (I4)."""
         if rec is None:
