@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
+from conftest import NEVER_SCHEDULED, ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease.protocol import record
 from tasklease.kube import LEASES, PODS, TASKS, Kube
 
@@ -30,10 +30,10 @@ def _hold(config: Path, queue: str, log: Path, pod: str, pod_uid: str = "") -> t
 
 
 def _agent_pod(kube: Kube, name: str) -> dict[str, Any]:
-    """An agent's Pod object (it never runs: the control plane has no node)."""
+    """An agent's Pod object (it never runs: no node matches its nodeSelector)."""
     return kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
                               "metadata": {"name": name, "labels": {"tasklease.dev/agent": "true"}},
-                              "spec": {"automountServiceAccountToken": False,
+                              "spec": {"automountServiceAccountToken": False, "nodeSelector": NEVER_SCHEDULED,
                                        "containers": [{"name": "agent", "image": "agent:dev"}]}})
 
 
