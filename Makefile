@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease.dev
 
-.PHONY: help venv build cluster cluster-down node node-down e2e lint test demo bench chaos generate clean
+.PHONY: help venv build cluster cluster-down node node-down e2e kind kind-down kind-e2e lint test demo bench chaos generate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -36,6 +36,15 @@ node-down: venv ## remove the node and everything it changed on this machine (id
 e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
 	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
 
+kind: build ## a real 2-node kind cluster from kind-config.yaml, in a network namespace of its own; root
+	$(LOCAL) kind-up
+
+kind-down: venv ## remove the kind cluster and everything it changed on this machine (idempotent); root
+	$(LOCAL) kind-down
+
+kind-e2e: build ## e2e's scenarios on kind with the chart's default values (brings kind up and down); root
+	TASKLEASE_KIND_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_kind_e2e.py $(PYTEST_ARGS)
+
 generate: venv ## regenerate crds/, the chart's CRD and RBAC rules, and the README's layout, from their sources
 	$(PY) -m tasklease.api.crd
 	$(PY) -m tasklease.api.rbac
@@ -47,7 +56,7 @@ lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/lint-imports
 
 test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
-	$(PY) -m pytest --ignore=tests/test_node_e2e.py $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/test_node_e2e.py --ignore=tests/test_kind_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane

@@ -38,9 +38,10 @@ PROJECT_IMAGE = images.PROJECT_IMAGE
 # The kubelet sets these on start (protectKernelDefaults: false); they are the host's.
 SYSCTLS = ("vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
            "kernel.keys.root_maxkeys", "kernel.keys.root_maxbytes")
-# Created on the host by dockerd and by docker's bind mount of /lib/modules, whatever its flags.
+# Created on the host whatever the flags: by dockerd, by docker's bind mount of /lib/modules into
+# the nodes, and by `ip netns add` (/run/netns, a mount of itself).
 HOST_LEAKS = (Path("/run/docker"), Path("/etc/docker/key.json"), Path("/lib/modules"), Path("/run/runc"),
-              Path("/etc/cni"), Path("/var/lib/containers"), Path("/run/containerd"))
+              Path("/etc/cni"), Path("/var/lib/containers"), Path("/run/containerd"), Path("/run/netns"))
 _CGROUPS = Path("/sys/fs/cgroup")
 _STATE_FILE = "kind.json"
 _SYSCTL_FILE = "sysctls.json"
@@ -101,6 +102,9 @@ class KindCluster:
         found = self.running()
         if found is not None:
             return found
+        if (self.workdir.parent / "node" / "node.json").exists():
+            # Both set the host's sysctls and put them back: never one over the other.
+            raise RuntimeError("the local node is up: run `make node-down` first")
         ensure_packages()
         tarball = kind_images.server_tarball()
         base = kind_images.ensure_base()
@@ -154,12 +158,13 @@ class KindCluster:
                 subprocess.run([*self.docker(), "rm", "-f", "-v", *ids], capture_output=True)
             terminate(dockerd, grace_s=30)
         _kill_cgroups()
-        _unmount_under([self.workdir, data_root(), Path("/run/docker")])
         if (Path("/run/netns") / NETNS).exists():
             _run(["ip", "netns", "delete", NETNS])
+        fresh = [Path(leak) for leak in (state.fresh_leaks if state else [])]
+        _unmount_under([self.workdir, data_root(), *fresh])
         _remove_cgroups()
-        for leak in (state.fresh_leaks if state else []):
-            _remove(Path(leak))
+        for leak in fresh:
+            _remove(leak)
         _restore_sysctls(self.workdir / _SYSCTL_FILE)
         if self.workdir.exists():
             shutil.rmtree(self.workdir)

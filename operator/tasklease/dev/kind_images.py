@@ -107,9 +107,13 @@ def cache_key() -> str:
     return f"{binaries.KUBERNETES_VERSION}-kind{KIND_VERSION}-containerd{CONTAINERD_VERSION}-v1"
 
 
+def server_tarball_path() -> Path:
+    return images.images_dir() / f"kind-kubernetes-server-{cache_key()}.tar.gz"
+
+
 def server_tarball() -> Path:
     """The Kubernetes server tarball `kind build node-image --type file` reads, built once."""
-    target = images.images_dir() / f"kind-kubernetes-server-{cache_key()}.tar.gz"
+    target = server_tarball_path()
     if target.exists():
         return target
     ensure_all_binaries()
