@@ -444,19 +444,22 @@ def _log(message: str) -> None:
     print(f"tasklease: {message}", file=sys.stderr, flush=True)
 
 
-# dockerd's runtime: runc, minus CAP_SYS_RESOURCE in the container's capability sets.
+# dockerd's runtime: runc, minus CAP_SYS_RESOURCE in the capability sets of what it starts
+# (a container's spec on `create`, a process's on `exec`).
 _RUNC_WRAPPER = """\
 #!{python}
 import json, os, sys
 args = sys.argv[1:]
-if "create" in args and "--bundle" in args:
-    path = os.path.join(args[args.index("--bundle") + 1], "config.json")
-    with open(path) as f:
-        spec = json.load(f)
-    caps = spec.get("process", {{}}).get("capabilities", {{}})
-    for name in caps:
-        caps[name] = [c for c in caps[name] if c != "CAP_SYS_RESOURCE"]
-    with open(path, "w") as f:
-        json.dump(spec, f)
+for flag, key in (("--bundle", "config.json"), ("--process", None)):
+    if flag in args and ("create" in args or "exec" in args):
+        path = args[args.index(flag) + 1]
+        path = os.path.join(path, key) if key else path
+        with open(path) as f:
+            spec = json.load(f)
+        caps = (spec.get("process", {{}}) if key else spec).get("capabilities", {{}})
+        for name in caps:
+            caps[name] = [c for c in caps[name] if c != "CAP_SYS_RESOURCE"]
+        with open(path, "w") as f:
+            json.dump(spec, f)
 os.execv("{runc}", ["runc", *args])
 """

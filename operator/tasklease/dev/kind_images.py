@@ -292,7 +292,11 @@ def _furnish(rootfs: Path) -> None:
     wants.mkdir(parents=True, exist_ok=True)
     for name in ("containerd.service", "kubelet.service"):
         (wants / name).symlink_to(f"/etc/systemd/system/{name}")
-    (rootfs / "etc" / "systemd" / "system" / "systemd-binfmt.service").symlink_to("/dev/null")
+    # Units that would change the host from a privileged container: kernel sysctls, modules,
+    # binfmt handlers, the clock.
+    for unit in ("systemd-sysctl.service", "systemd-modules-load.service", "systemd-binfmt.service",
+                 "proc-sys-fs-binfmt_misc.automount", "systemd-timesyncd.service"):
+        (rootfs / "etc" / "systemd" / "system" / unit).symlink_to("/dev/null")
     with (rootfs / "etc" / "systemd" / "journald.conf").open("a") as conf:
         conf.write("ReadKMsg=no\n")
     (rootfs / "etc" / "machine-id").write_text("")
