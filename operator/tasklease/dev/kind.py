@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -133,6 +134,7 @@ class KindCluster:
             self._kind(kind, "create", "cluster", "--config", str(config), "--kubeconfig", str(self.kubeconfig),
                        "--retain")
             self._pod_network()
+            self._dns_without_upstream()
             subprocess.run([*self.docker(), "load", "-q", "-i", str(project)], check=True,
                            stdout=subprocess.DEVNULL)
             self._kind(kind, "load", "docker-image", PROJECT_IMAGE, "--name", self.name)
@@ -245,6 +247,17 @@ class KindCluster:
                 if other != name:
                     _run([*self.docker(), "exec", name, "ip", "route", "replace", other_cidr, "via", other_ip])
 
+    def _dns_without_upstream(self) -> None:
+        """CoreDNS answers for the cluster only. Its upstream would be the node's resolv.conf, a
+        127.0.0.x address (docker's DNS), which in a pod's namespace is CoreDNS itself: a loop."""
+        corefile = json.loads(self.kubectl("get", "configmap", "coredns", "-n", "kube-system", "-o", "json").stdout)
+        text = corefile["data"]["Corefile"]
+        text = re.sub(r"\n\s*forward \. /etc/resolv\.conf \{[^}]*\}", "", text)
+        text = re.sub(r"\n\s*loop\n", "\n", text)
+        patch = json.dumps({"data": {"Corefile": text}})
+        self.kubectl("patch", "configmap", "coredns", "-n", "kube-system", "--type=merge", "-p", patch)
+        self.kubectl("rollout", "restart", "deployment/coredns", "-n", "kube-system")
+
     def _nodes_ready(self) -> bool:
         if not self.kubeconfig.exists() or not (Path("/run/netns") / NETNS).exists():
             return False
@@ -259,7 +272,7 @@ class KindCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kind nodes not Ready after {_READY_TIMEOUT_S:.0f}s")
             time.sleep(1)
-        self.kubectl("wait", "-n", "kube-system", "--for=condition=Available", "deployment/coredns",
+        self.kubectl("rollout", "status", "-n", "kube-system", "deployment/coredns",
                      f"--timeout={_READY_TIMEOUT_S:.0f}s")
 
     def _write_state(self, state: KindState) -> None:

@@ -294,9 +294,9 @@ def _furnish(rootfs: Path) -> None:
         (wants / name).symlink_to(f"/etc/systemd/system/{name}")
     # Units that would change the host from a privileged container: kernel sysctls, modules,
     # binfmt handlers, the clock.
-    for unit in ("systemd-sysctl.service", "systemd-modules-load.service", "systemd-binfmt.service",
+    for masked in ("systemd-sysctl.service", "systemd-modules-load.service", "systemd-binfmt.service",
                  "proc-sys-fs-binfmt_misc.automount", "systemd-timesyncd.service"):
-        (rootfs / "etc" / "systemd" / "system" / unit).symlink_to("/dev/null")
+        (rootfs / "etc" / "systemd" / "system" / masked).symlink_to("/dev/null")
     with (rootfs / "etc" / "systemd" / "journald.conf").open("a") as conf:
         conf.write("ReadKMsg=no\n")
     (rootfs / "etc" / "machine-id").write_text("")
