@@ -8,7 +8,7 @@ LOCAL  := $(PY) -m tasklease.dev
 .PHONY: help venv build cluster cluster-down node node-down e2e kind kind-down kind-e2e lint test demo bench chaos generate clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,9 +55,10 @@ lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
+test: build lint ## lint, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), e2e, kind-e2e
 	$(PY) -m pytest --ignore=tests/test_node_e2e.py --ignore=tests/test_kind_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
+	$(MAKE) kind-e2e
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
 	$(PY) -m tasklease.dev.demo
