@@ -168,15 +168,16 @@ def test_two_replicas_one_active_and_the_standby_takes_over(
 def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
         cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path, end: str) -> None:
     make_task(kube, "pod-bound", queue="pods", leaseDurationSeconds=120, backoff=NO_BACKOFF)
-    pod = _agent_pod(kube, "agent-7")
+    _agent_pod(kube, "agent-7")
     config = cluster.namespaced_kubeconfig(namespace, tmp_path)
     holder, _ = _hold(config, "pods", tmp_path / "holder.log", "agent-7")
     try:
         if end == "deleted":
             kube.delete(PODS, "agent-7")
         else:  # what the kubelet reports when the pod's containers have ended
-            pod["status"] = {"phase": "Failed"}
-            kube.replace(PODS, pod, sub="status")
+            # A patch, not a replace: a scheduler may have written the pod's conditions meanwhile.
+            kube.request("PATCH", PODS.path(namespace, "agent-7", "status"), body={"status": {"phase": "Failed"}},
+                         content_type="application/merge-patch+json")
         gone_at = time.monotonic()
         wait_for(lambda: _lease(kube, "pod-bound").state == record.FREE, timeout=30, interval=0.05,
                  message=f"the lease to be expired after its pod was {end}")
