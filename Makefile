@@ -5,10 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml tools/pyproject.toml | cksum | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease_dev
 
-.PHONY: help venv build prometheus cluster cluster-down node node-down e2e lint unit unit-all test demo bench chaos generate dist clean
+.PHONY: help venv build prometheus cluster cluster-down node node-down e2e kind kind-down kind-e2e lint unit unit-all test demo bench chaos generate dist clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,15 @@ node-down: venv ## remove the node and everything it changed on this machine (id
 
 e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
 	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
+
+kind: build ## a real 2-node kind cluster from kind-config.yaml, in a network namespace of its own; root
+	$(LOCAL) kind-up
+
+kind-down: venv ## remove the kind cluster and everything it changed on this machine (idempotent); root
+	$(LOCAL) kind-down
+
+kind-e2e: build ## e2e's scenarios on kind with the chart's default values (brings kind up and down); root
+	TASKLEASE_KIND_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_kind_e2e.py $(PYTEST_ARGS)
 
 generate: venv ## regenerate crds/, the chart's CRD, RBAC, admission policy and README, and docs/ (layout, benchmarks, CLI, task reference)
 	$(PY) -m tasklease.api.crd
@@ -73,9 +82,10 @@ unit-all: unit ## the unit tests on every supported Python (3.11, and 3.12 and 3
 	  $$venv/bin/python -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS) || exit 1; \
 	done
 
-test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), then e2e
-	$(PY) -m pytest --ignore=tests/test_node_e2e.py $(PYTEST_ARGS)
+test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), e2e, kind-e2e
+	$(PY) -m pytest --ignore=tests/test_node_e2e.py --ignore=tests/test_kind_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
+	$(MAKE) kind-e2e
 
 demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
 	$(PY) -m tasklease_dev.demo

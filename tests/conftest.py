@@ -171,6 +171,9 @@ def service_account_kubeconfig(cluster: Cluster, namespace: str, name: str, clus
 
 
 AGENT_SA = "tasklease-agent"
+# For Pod objects a test needs but never runs: no node has this label, so on a cluster with
+# kubelets (kind) the pod stays Pending and is deleted at once, as on the bare control plane.
+NEVER_SCHEDULED = {"tasklease.dev/test-pod": "never-scheduled"}
 
 
 def agent_pod_kubeconfig(cluster: Cluster, namespace: str, pod_name: str, role: str, directory: Path) -> Path:
@@ -180,6 +183,7 @@ def agent_pod_kubeconfig(cluster: Cluster, namespace: str, pod_name: str, role: 
     service_account_kubeconfig(cluster, namespace, AGENT_SA, role, directory)  # the ServiceAccount first
     pod = admin.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name},
                               "spec": {"serviceAccountName": AGENT_SA, "automountServiceAccountToken": False,
+                                       "nodeSelector": NEVER_SCHEDULED,
                                        "containers": [{"name": "agent", "image": "agent:dev"}]}})
     return service_account_kubeconfig(cluster, namespace, AGENT_SA, role, directory, pod=pod)
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import AGENT_SA, ROOT, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
-from tasklease.dev import binaries
+from tasklease_dev import binaries
 from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import Cluster, make_task, wait_for
+from conftest import NEVER_SCHEDULED, Cluster, make_task, wait_for
 from tasklease.api import errors
 from tasklease.kube import LEASES, PODS, Kube, Resource
 from tasklease_dev import binaries
@@ -96,6 +96,7 @@ def test_pod_bound_token_authenticates_and_rbac_refuses_what_is_not_granted(
         "subjects": [{"kind": "ServiceAccount", "name": "agent", "namespace": namespace}]})
     pod = kube.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-0"},
                              "spec": {"serviceAccountName": "agent", "automountServiceAccountToken": False,
+                                      "nodeSelector": NEVER_SCHEDULED,
                                       "containers": [{"name": "agent", "image": "agent:dev"}]}})
     token = kube.request("POST", SERVICEACCOUNTS.path(namespace, "agent", "token"), body={
         "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",

@@ -51,10 +51,15 @@ class E2E:
     local: LocalCluster | None = None
     node: node.LocalNode | None = None
     before: dict[str, Any] = field(default_factory=dict)
+    # Where kubectl and helm run: nothing, or how to enter kind's network namespace.
+    prefix: list[str] = field(default_factory=list)
+
+    def run_kubectl(self, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.prefix, str(binaries.ensure_kubectl()), f"--kubeconfig={self.kubeconfig}",
+                               *args], capture_output=True, text=True, input=input, timeout=120)
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> str:
-        done = subprocess.run([str(binaries.ensure_kubectl()), f"--kubeconfig={self.kubeconfig}", *args],
-                              capture_output=True, text=True, input=input, timeout=120)
+        done = self.run_kubectl(*args, input=input)
         if check and done.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
         return done.stdout
@@ -63,7 +68,7 @@ class E2E:
         return json.loads(self.kubectl("get", *args, "-o", "json"))
 
     def helm(self, *args: str) -> str:
-        done = subprocess.run([str(binaries.ensure_helm()), f"--kubeconfig={self.kubeconfig}", *args],
+        done = subprocess.run([*self.prefix, str(binaries.ensure_helm()), f"--kubeconfig={self.kubeconfig}", *args],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr.strip()}"
         return done.stdout
@@ -169,13 +174,7 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
         run.figures["make node"] = (f"{make_node_s:.1f}s (binaries and images cached: {cached}); "
                                     f"again, already up: {time.monotonic() - t0:.1f}s")
 
-    class Figures:
-        def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-            terminalreporter.section("e2e figures")
-            for name, value in run.figures.items():
-                terminalreporter.write_line(f"{name}: {value}")
-
-    request.config.pluginmanager.register(Figures(), "tasklease-e2e-figures")
+    report_figures(request, run)
     _clean(run)
     try:
         yield run
@@ -186,6 +185,17 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
             if not was_running:
                 run.local.down()
         run.figures["make e2e"] = f"{time.monotonic() - started:.1f}s"
+
+
+def report_figures(request: pytest.FixtureRequest, run: E2E) -> None:
+    """Print the run's figures after the test summary."""
+    class Figures:
+        def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+            terminalreporter.section("e2e figures")
+            for name, value in run.figures.items():
+                terminalreporter.write_line(f"{name}: {value}")
+
+    request.config.pluginmanager.register(Figures(), "tasklease-e2e-figures")
 
 
 def _read(path: Path) -> str:
@@ -417,7 +427,7 @@ def test_the_chart_and_example_are_admitted_under_restricted(e2e: E2E) -> None:
              message="the agent pods admitted")
     events = e2e.kubectl("get", "events", "-n", RESTRICTED_NS, "--field-selector", "reason=FailedCreate")
     assert "violates PodSecurity" not in events
-    if EXTERNAL:
+    if e2e.apiserver_port is None:
         # On a pod network they run for real. (The local node runs hostNetwork pods only: its
         # loopback-only CNI gives a pod network namespace no address, so these cannot start there.)
         wait_for(lambda: e2e.ready_pods(RESTRICTED_NS, "app.kubernetes.io/instance=restricted"), timeout=180,
@@ -425,10 +435,8 @@ def test_the_chart_and_example_are_admitted_under_restricted(e2e: E2E) -> None:
         wait_for(lambda: len(e2e.ready_pods(RESTRICTED_NS, f"app.kubernetes.io/name={AGENTS}")) == 3,
                  timeout=180, interval=1, message="the agents Ready under restricted")
     # Proof the label bites: a hostNetwork pod is refused there.
-    refused = subprocess.run(
-        [str(binaries.ensure_kubectl()), f"--kubeconfig={e2e.kubeconfig}", "apply", "-n", RESTRICTED_NS,
-         "-f", "-"], input=e2e.agents_manifest(host_network=True).replace(AGENTS, "hostnet-agents"),
-        capture_output=True, text=True)
+    refused = e2e.run_kubectl("apply", "-n", RESTRICTED_NS, "-f", "-",
+                              input=e2e.agents_manifest(host_network=True).replace(AGENTS, "hostnet-agents"))
     if e2e.apiserver_port is not None:
         wait_for(lambda: "violates PodSecurity" in e2e.kubectl(
             "get", "events", "-n", RESTRICTED_NS, "--field-selector", "reason=FailedCreate"),

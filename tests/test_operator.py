@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
+from conftest import NEVER_SCHEDULED, ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease.protocol import record
 from tasklease.kube import LEASES, PODS, TASKS, Kube
 
@@ -30,10 +30,10 @@ def _hold(config: Path, queue: str, log: Path, pod: str, pod_uid: str = "") -> t
 
 
 def _agent_pod(kube: Kube, name: str) -> dict[str, Any]:
-    """An agent's Pod object (it never runs: the control plane has no node)."""
+    """An agent's Pod object (it never runs: no node matches its nodeSelector)."""
     return kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
                               "metadata": {"name": name, "labels": {"tasklease.dev/agent": "true"}},
-                              "spec": {"automountServiceAccountToken": False,
+                              "spec": {"automountServiceAccountToken": False, "nodeSelector": NEVER_SCHEDULED,
                                        "containers": [{"name": "agent", "image": "agent:dev"}]}})
 
 
@@ -168,15 +168,16 @@ def test_two_replicas_one_active_and_the_standby_takes_over(
 def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
         cluster: Cluster, kube: Kube, namespace: str, operator: Operator, tmp_path: Path, end: str) -> None:
     make_task(kube, "pod-bound", queue="pods", leaseDurationSeconds=120, backoff=NO_BACKOFF)
-    pod = _agent_pod(kube, "agent-7")
+    _agent_pod(kube, "agent-7")
     config = cluster.namespaced_kubeconfig(namespace, tmp_path)
     holder, _ = _hold(config, "pods", tmp_path / "holder.log", "agent-7")
     try:
         if end == "deleted":
             kube.delete(PODS, "agent-7")
         else:  # what the kubelet reports when the pod's containers have ended
-            pod["status"] = {"phase": "Failed"}
-            kube.replace(PODS, pod, sub="status")
+            # A patch, not a replace: a scheduler may have written the pod's conditions meanwhile.
+            kube.request("PATCH", PODS.path(namespace, "agent-7", "status"), body={"status": {"phase": "Failed"}},
+                         content_type="application/merge-patch+json")
         gone_at = time.monotonic()
         wait_for(lambda: _lease(kube, "pod-bound").state == record.FREE, timeout=30, interval=0.05,
                  message=f"the lease to be expired after its pod was {end}")

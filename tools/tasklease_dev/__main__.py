@@ -1,4 +1,4 @@
-"""`python -m tasklease_dev up|down|build|node-up|node-down`: the Makefile's entry to the local cluster."""
+"""`python -m tasklease_dev up|down|build|node-up|node-down|kind-up|kind-down`: the Makefile's entry."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from tasklease_dev import binaries
 from tasklease_dev.cluster import LocalCluster
 from tasklease_dev.crds import apply_crds
+from tasklease_dev.kind import KindCluster
 from tasklease_dev.node import LocalNode
 
 
@@ -28,11 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="stop every process `up` started (and the node, if any) and remove the data")
     sub.add_parser("node-up", help="add a real node (containerd, kubelet, scheduler) to the control plane; root")
     sub.add_parser("node-down", help="remove the node and everything it changed on this machine; root")
+    sub.add_parser("kind-up", help="a 2-node kind cluster from kind-config.yaml in a network namespace; root")
+    sub.add_parser("kind-down", help="remove the kind cluster and everything it changed on this machine; root")
     sub.add_parser("build", help="build (or find) etcd, kube-apiserver, kube-controller-manager, kubectl and helm")
     args = parser.parse_args(argv)
 
     cluster = LocalCluster(args.workdir, args.kubeconfig)
     node = LocalNode(cluster, args.workdir.parent / "node", source=Path("."))
+    if args.command in ("kind-up", "kind-down"):
+        return _kind(KindCluster(args.workdir.parent / "kind", source=Path(".")), up=args.command == "kind-up")
     if args.command == "build":
         bins = binaries.ensure_kubernetes()
         print(bins.kube_apiserver.parent)
@@ -65,6 +70,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     print(f"export KUBECONFIG={state.kubeconfig}")
+    return 0
+
+
+def _kind(kind: KindCluster, *, up: bool) -> int:
+    try:
+        if not up:
+            kind.down()
+            print("tasklease: kind cluster removed", file=sys.stderr)
+            return 0
+        state = kind.up()
+    except (subprocess.CalledProcessError, RuntimeError, TimeoutError, PermissionError) as exc:
+        print(f"tasklease: kind: {exc}", file=sys.stderr)
+        return 1
+    print(f"export KUBECONFIG={state.kubeconfig}  # reachable inside: ip netns exec tasklease-kind ...")
     return 0
 
 
