@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from test_chart import render  # the chart as `helm template` renders it offline
 from conftest import AGENT_SA, ROOT, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
-from tasklease_dev import binaries
 from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
@@ -119,13 +117,7 @@ def test_the_chart_policy_is_generated_from_the_models() -> None:
 
 
 def test_helm_template_shows_the_policy_by_default() -> None:
-    def rendered(*sets: str) -> list[dict[str, Any]]:
-        argv = [str(binaries.ensure_helm()), "template", "rel", str(ROOT / "helm" / "tasklease"), "-n", "ops"]
-        out = subprocess.run([*argv, *[a for s in sets for a in ("--set", s)]], check=True, capture_output=True,
-                             text=True).stdout
-        return [d for d in yaml.safe_load_all(out) if d]
-
-    docs = rendered()
+    docs = render()
     found = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
     assert len(found) == 1 and found[0]["spec"]["failurePolicy"] == "Fail"
     binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
@@ -134,4 +126,4 @@ def test_helm_template_shows_the_policy_by_default() -> None:
     assert "objectSelector" not in found[0]["spec"]["matchConstraints"]
     election = [v["expression"] for v in found[0]["spec"]["validations"] if "election" in v["message"]]
     assert election and "request.namespace == 'ops'" in election[0]
-    assert not [d for d in rendered("agents.enforceProtocol=false") if d["kind"].startswith("ValidatingAdmission")]
+    assert not [d for d in render("agents.enforceProtocol=false") if d["kind"].startswith("ValidatingAdmission")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from datetime import UTC, datetime
 import logging
 import signal
 import threading
@@ -158,6 +159,9 @@ def test_a_claim_of_a_task_whose_cancel_was_seen_already_is_lost_at_once_not_an_
 
 class _NoKube:
     namespace = "ns"
+
+    def now(self) -> datetime:
+        return datetime(2030, 1, 1, tzinfo=UTC)
 
 
 def test_a_claim_that_cannot_be_taken_up_is_given_back(monkeypatch: pytest.MonkeyPatch) -> None:

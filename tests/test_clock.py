@@ -197,7 +197,7 @@ def test_a_claim_seen_after_spec_not_before_stands() -> None:
 @pytest.mark.parametrize("written_s", [-55.0, 65.0, None], ids=["writer-60s-behind", "writer-60s-ahead", "none"])
 def test_a_backoff_is_measured_from_when_the_operator_saw_the_attempt_fail(written_s: float | None) -> None:
     world = World()
-    world.task(task_json(backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5}))
+    world.task(task_json(backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5, "jitter": False}))
     world.lease(held_lease())
     world.clocks.advance(3)
     world.lease(failed_lease(not_before=None if written_s is None else world.clocks.wall + timedelta(
@@ -208,7 +208,7 @@ def test_a_backoff_is_measured_from_when_the_operator_saw_the_attempt_fail(writt
 
 def test_a_backoff_written_on_time_is_left_alone() -> None:
     world = World()
-    world.task(task_json(backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5}))
+    world.task(task_json(backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5, "jitter": False}))
     world.lease(held_lease())
     world.clocks.advance(3)
     world.lease(failed_lease(not_before=world.clocks.wall + timedelta(seconds=5.4)))
@@ -218,7 +218,7 @@ def test_a_backoff_written_on_time_is_left_alone() -> None:
 
 def test_a_backoff_found_too_far_ahead_is_cut_to_one_backoff_from_now() -> None:
     world = World()  # an operator that starts now: it did not see the attempt end
-    world.task(task_json(backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5}))
+    world.task(task_json(backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5, "jitter": False}))
     world.lease(failed_lease(not_before=T0 + timedelta(days=1)))
     world.reconcile()
     assert world.record().not_before == T0 + timedelta(seconds=5)
@@ -333,7 +333,7 @@ def test_a_backoff_between_agents_with_skewed_clocks_lasts_the_tasks_backoff(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
         faketime: Path, failer_s: int, claimer_s: int) -> None:
     served_for(cluster, 65)
-    make_task(kube, "flaky", queue="skew", backoff={"policy": "Fixed", "initialSeconds": 4, "maxSeconds": 4})
+    make_task(kube, "flaky", queue="skew", backoff={"policy": "Fixed", "initialSeconds": 4, "maxSeconds": 4, "jitter": False})
     failer = agent_pod_kubeconfig(cluster, namespace, "failer-0", chart_roles["agent"], tmp_path)
     first = _claim(faketime, failer_s, failer, "skew", "failer-0", wait_s=20)
     out, err = first.communicate(timeout=60)
@@ -384,7 +384,7 @@ def test_a_claim_made_before_not_before_by_the_servers_clock_is_undone_and_not_c
 
 
 def test_a_backoff_written_with_a_holders_wrong_clock_is_put_right(kube: Kube, operator: Operator) -> None:
-    make_task(kube, "wrong", backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5})
+    make_task(kube, "wrong", backoff={"policy": "Fixed", "initialSeconds": 5, "maxSeconds": 5, "jitter": False})
     behind = Protocol(kube, clock=lambda: now_utc() - timedelta(seconds=60))  # not-before a minute in the past
     behind.fail(behind.claim(TaskView.of(kube.get(TASKS, "wrong")), None, "wrong-0/1"), "boom")
     failed = now_utc()

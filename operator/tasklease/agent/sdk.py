@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from datetime import datetime
 from types import TracebackType
 from typing import Any
 
@@ -189,7 +190,26 @@ class Agent:
         time, best first within a page, and the first one that can be claimed is; the rest of
         the queue is never read. A task projected Running is skipped without a read (a task
         freed a moment ago is found by the next claim); a never-claimed one is claimed by
-        creating its Lease, any other after reading its Lease."""
+        creating its Lease, any other after reading its Lease.
+
+        A task due within what this process cannot yet tell of the server's clock (a new
+        process has read few whole-second `Date`s) may be due already: one more look then."""
+        found = self._claim_pass(queue, interrupt)
+        if isinstance(found, datetime):
+            low, high = self.kube.server_clock.offset()
+            wait = (found - self.kube.now()).total_seconds()
+            if wait <= (high - low).total_seconds():
+                time.sleep(max(wait, 0.0))
+                found = self._claim_pass(queue, interrupt)
+        if isinstance(found, ClaimedTask):
+            return found
+        raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+
+    def _claim_pass(self, queue: str, interrupt: bool) -> ClaimedTask | datetime | None:
+        """`claim_once`'s look: the task claimed, else the soonest time a task not yet due
+        becomes due (None: none is waiting for a time)."""
+        soonest: datetime | None = None
+        now = self.kube.now()
         for page in self.kube.list_pages(TASKS, namespace=self.namespace, field_selector=task_selector(queue),
                                          limit=self.settings.cli_page):
             # Ranked from the raw objects: only the ones tried are validated into TaskViews.
@@ -201,7 +221,13 @@ class Agent:
                 for _ in range(2):
                     try:
                         held = self.protocol.claim(task, rec, self.identity.holder)
-                    except (errors.NotClaimable, errors.Refused):
+                    except errors.NotClaimable:
+                        due = max((t for t in (task.spec.not_before, rec.not_before if rec else None)
+                                   if t is not None), default=None)
+                        if due is not None and due > now and (soonest is None or due < soonest):
+                            soonest = due
+                        break
+                    except errors.Refused:
                         break
                     except errors.Conflict:
                         if rec is not None:
@@ -211,7 +237,7 @@ class Agent:
                             break
                         continue
                     return self._claimed(task, held, interrupt=interrupt, follow=False)
-        raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+        return soonest
 
     def work(self, queue: str, handler: Handler, *, concurrency: int = 1, stop: threading.Event | None = None,
              max_tasks: int | None = None, idle_timeout: float | None = None,
