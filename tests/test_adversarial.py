@@ -596,3 +596,19 @@ def test_a_pre_created_future_lease_is_removed_when_its_task_comes(
     finally:
         honest.close()
     assert record.decode(kube.get(LEASES, "later")).owner_uid == task["metadata"]["uid"]
+
+
+def test_a_claim_created_in_another_queue_is_put_back_in_its_tasks_queue(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        operator: Any) -> None:
+    """The policy cannot read the Task's queue, so a creating claim may name another queue's:
+    the operator labels the Lease with its Task's queue again, where that queue's agents look."""
+    mallory = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "mallory", chart_roles["agent"],
+                                                               tmp_path)))
+    uid = kube.get(PODS, "mallory")["metadata"]["uid"]
+    holder = Identity(pod="mallory", instance="1", pod_uid=record.short_uid(uid)).holder
+    view = TaskView.of(make_task(kube, "misfiled", queue="q"))
+    misfiled = replace(claimed(view, None, holder, now_utc()), queue="elsewhere")
+    wait_for(lambda: _refusal(create(mallory, misfiled)) == "", timeout=30, message="mallory's claim to be judged")
+    wait_for(lambda: record.decode(kube.get(LEASES, "misfiled")).queue == "q", timeout=60,
+             message="the Lease labelled with its task's queue")

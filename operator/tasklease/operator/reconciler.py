@@ -407,10 +407,15 @@ class Reconciler:
         view = TaskView.of(task)
         if rec is not None and rec.malformed:
             self._report_malformed(task, rec)
-            if rec.owner_uid == view.uid and set(rec.malformed) & set(record.DROPPED_REASONS):
-                # Written back without what could not be read: agents (and the admission
-                # policy) then see a Lease they can judge, and the task goes on.
-                log.warning("lease %s/%s: writing it back without what cannot be read", rec.namespace, rec.name)
+        if rec is not None and rec.owner_uid == view.uid:
+            unreadable = bool(set(rec.malformed) & set(record.DROPPED_REASONS))
+            # Written back without what could not be read, so that agents (and the admission
+            # policy) see a Lease they can judge; or labelled with its Task's queue, which the
+            # claim that created it chose (the policy cannot read the Task): the task's own
+            # queue's agents then see it again.
+            if unreadable or rec.queue != view.spec.queue:
+                log.warning("lease %s/%s: writing it back %s", rec.namespace, rec.name,
+                            "without what cannot be read" if unreadable else f"in its task's queue {view.spec.queue!r}")
                 rec = self._remember(rec, self.protocol.repair(view, rec))
         rec = self._act(view, rec)
         self._project(key, entry, task, rec)
