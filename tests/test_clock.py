@@ -333,7 +333,8 @@ def test_a_backoff_between_agents_with_skewed_clocks_lasts_the_tasks_backoff(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
         faketime: Path, failer_s: int, claimer_s: int) -> None:
     served_for(cluster, 65)
-    make_task(kube, "flaky", queue="skew", backoff={"policy": "Fixed", "initialSeconds": 4, "maxSeconds": 4, "jitter": False})
+    make_task(kube, "flaky", queue="skew",
+              backoff={"policy": "Fixed", "initialSeconds": 4, "maxSeconds": 4, "jitter": False})
     failer = agent_pod_kubeconfig(cluster, namespace, "failer-0", chart_roles["agent"], tmp_path)
     first = _claim(faketime, failer_s, failer, "skew", "failer-0", wait_s=20)
     out, err = first.communicate(timeout=60)
