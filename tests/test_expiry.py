@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, PodsGone
+
+pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
 
 
 class Clock:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import random
 from datetime import UTC, datetime, timedelta
 
 from tasklease.api import models
 from tasklease.protocol import record
 from tasklease.protocol.rules import TaskView, claimed, requeued
+
+pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

@@ -3,6 +3,8 @@ cleanup, the retry projection, and the failure message's stderr tail."""
 
 from __future__ import annotations
 
+import pytest
+
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -21,6 +23,8 @@ from tasklease.protocol.rules import (
     why_not_claimable,
     why_not_retryable,
 )
+
+pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

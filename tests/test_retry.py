@@ -9,6 +9,8 @@ import pytest
 from tasklease.api import errors
 from tasklease.api.retry import Backoff, transient
 
+pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
+
 
 def test_delays_double_up_to_the_cap_and_stay_in_the_upper_half() -> None:
     backoff = Backoff(base_s=1, cap_s=8, rng=random.Random(7))

@@ -12,6 +12,8 @@ from tasklease.api import models
 from tasklease.protocol import record
 from tasklease.protocol.rules import Blocker, TaskView, blocker, claimed, requeued, why_not_claimable
 
+pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
+
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 from datetime import UTC, datetime
 
 from tasklease.api import models
 from tasklease.operator.slim import slim, slim_lease
 from tasklease.protocol import LeaseRecord, record
+
+pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
 
 AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
