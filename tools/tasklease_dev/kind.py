@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,9 @@ class KindState:
     kubeconfig: str
     pids: dict[str, int]
     fresh_leaks: list[str]  # host paths that did not exist before: removed by down
+    # Host paths that were no mount points before (`ip netns add` mounts /run/netns on itself):
+    # unmounted by down.
+    fresh_mounts: list[str] = field(default_factory=list)
 
 
 def in_netns() -> list[str]:
@@ -115,7 +118,8 @@ class KindCluster:
         started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
         state = KindState(name=self.name, workdir=str(self.workdir), kubeconfig=str(self.kubeconfig), pids={},
-                          fresh_leaks=[str(p) for p in HOST_LEAKS if not p.exists()])
+                          fresh_leaks=[str(p) for p in HOST_LEAKS if not p.exists()],
+                          fresh_mounts=[str(p) for p in HOST_LEAKS if not mounts_under([p])])
         try:
             _save_sysctls(self.workdir / _SYSCTL_FILE)
             self._write_state(state)
@@ -163,7 +167,7 @@ class KindCluster:
         if (Path("/run/netns") / NETNS).exists():
             _run(["ip", "netns", "delete", NETNS])
         fresh = [Path(leak) for leak in (state.fresh_leaks if state else [])]
-        _unmount_under([self.workdir, data_root(), *fresh])
+        _unmount_under([self.workdir, data_root(), *fresh, *(Path(m) for m in (state.fresh_mounts if state else []))])
         _remove_cgroups()
         for leak in fresh:
             _remove(leak)
@@ -339,6 +343,7 @@ def host_snapshot() -> dict[str, Any]:
         "routes": out("ip", "route") + out("ip", "-6", "route"), "iptables": rules,
         "netns": out("ip", "netns", "list"),
         "paths": {str(p): p.exists() for p in HOST_LEAKS},
+        "mounts": mounts_under(list(HOST_LEAKS)),
         "cgroups": [str(h / CGROUP_PARENT) for h in _hierarchies() if (h / CGROUP_PARENT).exists()],
     }
 
