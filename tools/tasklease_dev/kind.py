@@ -32,6 +32,8 @@ import yaml
 
 from tasklease_dev import binaries, images, kind_images
 from tasklease_dev.cluster import process_alive, started_in, terminate
+from tasklease_dev.node import node_mounts as mounts_under
+from tasklease_dev.node import unmount_under
 
 NETNS = "tasklease-kind"
 CGROUP_PARENT = "tasklease-kind"
@@ -167,7 +169,7 @@ class KindCluster:
         if (Path("/run/netns") / NETNS).exists():
             _run(["ip", "netns", "delete", NETNS])
         fresh = [Path(leak) for leak in (state.fresh_leaks if state else [])]
-        _unmount_under([self.workdir, data_root(), *fresh, *(Path(m) for m in (state.fresh_mounts if state else []))])
+        unmount_under([self.workdir, data_root(), *fresh, *(Path(m) for m in (state.fresh_mounts if state else []))])
         _remove_cgroups()
         for leak in fresh:
             _remove(leak)
@@ -400,26 +402,6 @@ def _remove_cgroups() -> None:
         for group in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
             group.rmdir()
         top.rmdir()
-
-
-def mounts_under(roots: list[Path]) -> list[str]:
-    found = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].replace("\\040", " ")
-        if any(point == str(r) or point.startswith(f"{r}/") for r in roots):
-            found.append(point)
-    return sorted(found, key=lambda p: p.count("/"), reverse=True)
-
-
-def _unmount_under(roots: list[Path]) -> None:
-    for _ in range(5):
-        points = mounts_under(roots)
-        if not points:
-            return
-        for point in points:
-            subprocess.run(["umount", point], capture_output=True)
-    for point in mounts_under(roots):
-        subprocess.run(["umount", "-l", point], capture_output=True)
 
 
 def _remove(path: Path) -> None:

@@ -173,7 +173,7 @@ class LocalNode:
         for group in NODE_GROUPS:
             _kill_cgroup(CGROUP_V2 / group)
         remove_iptables_rules()
-        _unmount_under([self.workdir, *HOST_LEAKS])
+        unmount_under([self.workdir, *HOST_LEAKS])
         _remove_cgroups()
         for leak in HOST_LEAKS:
             _remove(leak)
@@ -440,7 +440,7 @@ def node_mounts(roots: list[Path]) -> list[str]:
     return sorted(found, key=lambda p: p.count("/"), reverse=True)
 
 
-def _unmount_under(roots: list[Path]) -> None:
+def unmount_under(roots: list[Path]) -> None:
     for _ in range(5):
         points = node_mounts(roots)
         if not points:
