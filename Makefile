@@ -38,8 +38,11 @@ node: build ## add a real node (containerd, kubelet, scheduler; loopback only) t
 node-down: venv ## remove the node and everything it changed on this machine (idempotent); root
 	$(LOCAL) node-down
 
+# The node and kind change the host, so one of them runs at a time per machine, whichever clone asks.
+NODE_LOCK ?= /tmp/tasklease-node.lock
+
 e2e: build ## the chart on a real node: helm install, real pods, tasks, deletions, upgrade, uninstall
-	TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
+	flock $(NODE_LOCK) env TASKLEASE_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_node_e2e.py $(PYTEST_ARGS)
 
 kind: build ## a real 2-node kind cluster from kind-config.yaml, in a network namespace of its own; root
 	$(LOCAL) kind-up
@@ -48,7 +51,7 @@ kind-down: venv ## remove the kind cluster and everything it changed on this mac
 	$(LOCAL) kind-down
 
 kind-e2e: build ## e2e's scenarios on kind with the chart's default values (brings kind up and down); root
-	TASKLEASE_KIND_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_kind_e2e.py $(PYTEST_ARGS)
+	flock $(NODE_LOCK) env TASKLEASE_KIND_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_kind_e2e.py $(PYTEST_ARGS)
 
 generate: venv ## regenerate crds/, the chart's CRD, RBAC, admission policy and README, and docs/ (layout, benchmarks, CLI, task reference)
 	$(PY) -m tasklease.api.crd
