@@ -51,6 +51,7 @@ kind-down: venv ## remove the kind cluster and everything it changed on this mac
 	$(LOCAL) kind-down
 
 kind-e2e: build ## e2e's scenarios on kind with the chart's default values (brings kind up and down); root
+	$(LOCAL) kind-build
 	flock $(NODE_LOCK) env TASKLEASE_KIND_E2E=1 $(PY) -m pytest -p no:cacheprovider tests/test_kind_e2e.py $(PYTEST_ARGS)
 
 generate: venv ## regenerate crds/, the chart's CRD, RBAC, admission policy and README, and docs/ (layout, benchmarks, CLI, task reference)

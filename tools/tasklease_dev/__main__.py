@@ -1,4 +1,4 @@
-"""`python -m tasklease_dev up|down|build|node-up|node-down|kind-up|kind-down`: the Makefile's entry."""
+"""`python -m tasklease_dev up|down|build|node-up|node-down|kind-build|kind-up|kind-down`: the Makefile's entry."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tasklease_dev import binaries
 from tasklease_dev.cluster import LocalCluster
 from tasklease_dev.crds import apply_crds
 from tasklease_dev.kind import KindCluster
+from tasklease_dev.kind import prepare as kind_prepare
 from tasklease_dev.node import LocalNode
 
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("node-down", help="remove the node and everything it changed on this machine; root")
     sub.add_parser("kind-up", help="a 2-node kind cluster from kind-config.yaml in a network namespace; root")
     sub.add_parser("kind-down", help="remove the kind cluster and everything it changed on this machine; root")
+    sub.add_parser("kind-build", help="build what kind-up needs (components, base and project images); root")
     sub.add_parser("build", help="build (or find) etcd, kube-apiserver, kube-controller-manager, kubectl and helm")
     args = parser.parse_args(argv)
 
@@ -38,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     node = LocalNode(cluster, args.workdir.parent / "node", source=Path("."))
     if args.command in ("kind-up", "kind-down"):
         return _kind(KindCluster(args.workdir.parent / "kind", source=Path(".")), up=args.command == "kind-up")
+    if args.command == "kind-build":
+        kind_prepare(Path("."))
+        return 0
     if args.command == "build":
         bins = binaries.ensure_kubernetes()
         print(bins.kube_apiserver.parent)

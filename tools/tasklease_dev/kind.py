@@ -67,6 +67,24 @@ class KindState:
     fresh_mounts: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    server_tarball: Path
+    base: str
+    project_image: Path
+    kind: Path
+
+
+def prepare(source: Path) -> Prepared:
+    """What `up` needs that takes long the first time (Debian packages, kind, every component from
+    Go modules, the base image, the project's image), built into the cache. `make kind-e2e` runs it
+    before its tests, so that a cold build is not bounded by a test's timeout."""
+    require_root()
+    ensure_packages()
+    return Prepared(server_tarball=kind_images.server_tarball(), base=kind_images.ensure_base(),
+                    project_image=images.ensure_project_image(source), kind=kind_images.kind_binary())
+
+
 def in_netns() -> list[str]:
     """The argv prefix that runs a command in the cluster's network namespace."""
     return ["nsenter", f"--net=/run/netns/{NETNS}"]
@@ -111,11 +129,8 @@ class KindCluster:
         if (self.workdir.parent / "node" / "node.json").exists():
             # Both set the host's sysctls and put them back: never one over the other.
             raise RuntimeError("the local node is up: run `make node-down` first")
-        ensure_packages()
-        tarball = kind_images.server_tarball()
-        base = kind_images.ensure_base()
-        project = images.ensure_project_image(self.source)
-        kind = kind_images.kind_binary()
+        built = prepare(self.source)
+        tarball, base, project, kind = built.server_tarball, built.base, built.project_image, built.kind
         self.down()
         started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
