@@ -143,7 +143,7 @@ def claimed(task: TaskView, rec: LeaseRecord | None, holder: str, now: datetime)
     epoch = attempts_made(task, rec) + 1
     entry = models.Attempt(attempt=epoch, holder=holder, claimed_at=now)
     return replace(base, holder=holder, epoch=epoch, duration_s=task.spec.lease_duration_seconds,
-                   acquired_at=now, renewed_at=now, not_before=None,
+                   acquired_at=now, renewed_at=now, not_before=None, pod_bound="",
                    history=(*base.history, entry)[-models.MAX_HISTORY:])
 
 
