@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["json", "env"], default="json",
                    help="json, or shell `export` lines for eval "
                         "(TASKLEASE_TASK, _NAMESPACE, _EPOCH, _HOLDER, _PAYLOAD)")
+    p.add_argument("--pod-bound", action="store_true",
+                   help="the operator renews the lease while this Pod runs and its containers do not restart: "
+                        "no `tasklease renew` loop (needs POD_UID or the Pod's token, and the Pod label "
+                        "tasklease.dev/agent=true; docs/pod-bound.md)")
 
     for name, help, handler, example in (
             ("renew", "renew a held lease", cmd_renew,
