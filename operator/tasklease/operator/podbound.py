@@ -136,7 +136,8 @@ class Bindings:
             return []  # no bound lease names it: not worth remembering
         state = pod_state(pod)
         if kind == "DELETED":
-            self._pods.pop(where, None)
+            if (known := self._pods.get(where)) is not None and known.uid == state.uid:
+                del self._pods[where]
             for key in keys:
                 binding = self._bound[key]
                 if binding.rec.pod_bound == state.uid:
