@@ -161,7 +161,7 @@ def ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", c
         if outcome in ("Failed", "Expired", models.ATTEMPT_TIMED_OUT) or close == models.Phase.FAILED.value
         else rec.error)
     return replace(rec, holder="", renewed_at=now, outcome=close, reason=reason, result=result,
-                   error=error, not_before=not_before, history=history)
+                   error=error, not_before=not_before, history=history, pod_bound="")
 
 
 def requeued(rec: LeaseRecord, spec: models.TaskSpec, *, outcome: str, message: str, now: datetime,
