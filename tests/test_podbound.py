@@ -96,7 +96,7 @@ def test_a_bound_lease_lives_without_renewals_and_ends_with_its_container(
     renewals = set()
     while time.monotonic() < deadline:
         rec = _lease(admin, "long")
-        assert (rec.state, rec.epoch, rec.holder) == (record.HELD, 1, first.holder), rec
+        assert (rec.state, rec.epoch, rec.holder) == (record.HELD, 1, first.holder), f"{rec}\n{op.output()[-3000:]}"
         renewals.add(rec.renewed_at)
         time.sleep(0.5)
     assert len(renewals) >= 4, renewals

@@ -99,9 +99,8 @@ def test_a_stopped_container_expires_the_lease_before_it_restarts() -> None:
 
 def test_restarts_before_the_binding_was_seen_do_not_count() -> None:
     b = Bindings(Clock())
-    b.pod("ADDED", pod(restarts=4))  # nobody is bound to it yet: not remembered
+    assert b.pod("ADDED", pod(restarts=4)) == []  # nobody is bound to it yet, but it is remembered
     b.lease(KEY, held())
-    b.pod("MODIFIED", pod(restarts=4))
     b.read_task(KEY, 9)
     assert b.decide(KEY).act is Act.WAIT
     b.pod("MODIFIED", pod(restarts=5))
@@ -142,7 +141,7 @@ def test_an_ended_or_unbound_lease_is_forgotten_with_its_pod() -> None:
     b = bound(Clock())
     assert not b.lease(KEY, held(pod_bound=""))
     assert len(b) == 0 and b.decide(KEY).act is Act.WAIT
-    assert b.pod("MODIFIED", pod()) == []  # no longer followed
+    assert b.pod("MODIFIED", pod()) == []  # no lease of it followed any more
     b = bound(Clock())
     assert not b.lease(KEY, None)
     assert len(b) == 0

@@ -102,7 +102,9 @@ class Bindings:
 
     monotonic: Monotonic
     _bound: dict[Key, Binding] = field(default_factory=dict)
-    _pods: dict[Key, PodState] = field(default_factory=dict)  # Pods that bound leases name
+    # Every agent Pod the operator watches (labelled tasklease.dev/agent=true): a lease may
+    # be bound to it later.
+    _pods: dict[Key, PodState] = field(default_factory=dict)
     _by_pod: dict[Key, set[Key]] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -132,8 +134,6 @@ class Bindings:
         meta = pod.get("metadata") or {}
         where = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         keys = sorted(self._by_pod.get(where, ()))
-        if not keys:
-            return []  # no bound lease names it: not worth remembering
         state = pod_state(pod)
         if kind == "DELETED":
             if (known := self._pods.get(where)) is not None and known.uid == state.uid:
@@ -193,7 +193,6 @@ class Bindings:
         keys.discard(key)
         if not keys:
             self._by_pod.pop(binding.pod, None)
-            self._pods.pop(binding.pod, None)
 
 
 def _restarted(baseline: Mapping[str, tuple[int, bool]] | None, pod: PodState) -> str:
