@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the command (SIGTERM, SIGKILL after --grace) once it has run this long and fail "
                         "the attempt with reason AttemptTimedOut (default: the Task's attemptTimeoutSeconds; "
                         "none if it has none)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve this agent's Prometheus metrics (claims, completions, failures, lost leases, "
+                        "run time) on /metrics at PORT (needs prometheus-client: pip install 'tasklease[metrics]')")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="the address --metrics-port listens on (default 0.0.0.0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
     p = command("completion", "print the shell completion script for bash or zsh", cmd_completion,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tasklease.agent.identity import own_pod_uid
+from tasklease.agent.metrics import AgentMetrics
 from tasklease.agent.sdk import Agent, Identity
 from tasklease.api import errors
 from tasklease.cli.common import kube_of
@@ -89,9 +90,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
     if args.timeout is not None and args.timeout <= 0:
         raise errors.Invalid(f"--timeout must be more than 0 seconds (got {args.timeout:g})")
+    metrics = AgentMetrics() if args.metrics_port is not None else None
+    if metrics is not None:
+        try:
+            metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            raise errors.Invalid(f"--metrics-port {args.metrics_port}: {exc.strerror or exc}") from None
     kube = kube_of(args)
     # Leaving the block leaves the queue: our peers divide our share at once.
-    with Agent(kube, identity=Identity.from_environment()) as agent, _no_such_namespace_is_not_found(kube):
+    with (Agent(kube, identity=Identity.from_environment(), metrics=metrics) as agent,
+          _no_such_namespace_is_not_found(kube)):
         runner = Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace, concurrency=args.concurrency,
                         drain=args.drain, timeout_s=args.timeout)
         return runner.run(loop=args.loop, wait_s=args.wait)
