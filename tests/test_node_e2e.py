@@ -446,6 +446,11 @@ def _pod_bound_shell(e2e: E2E, kube: Kube, name: str, mode: str, *, lease_s: int
     return uid
 
 
+def _first_attempt(e2e: E2E, name: str) -> dict[str, Any]:
+    history = e2e.task(name).get("status", {}).get("history", [])
+    return dict(history[0]) if history else {}
+
+
 def _attempt_over(kube: Kube, name: str, epoch: int) -> float:
     """Poll the Lease until attempt `epoch` is no longer held; the monotonic time it was seen so."""
     def over() -> bool:
@@ -477,7 +482,8 @@ def test_pod_bound_task_is_requeued_within_a_second_of_its_pods_deletion(e2e: E2
     took = _attempt_over(kube, "pod-bound-deleted", 1) - deleted_at
     e2e.figures["pod-bound, pod deleted → requeued"] = f"{took:.2f}s (lease 30s)"
     assert took < 1, f"{took:.2f}s from the pod's deletion to the requeue"
-    assert e2e.task("pod-bound-deleted")["status"]["history"][0]["outcome"] == "Expired"
+    wait_for(lambda: _first_attempt(e2e, "pod-bound-deleted").get("outcome") == "Expired", timeout=30,
+             interval=0.2, message="the expiry projected into the Task's status")
 
 
 def test_pod_bound_task_is_requeued_within_a_second_of_a_container_restart(e2e: E2E) -> None:
@@ -493,8 +499,9 @@ def test_pod_bound_task_is_requeued_within_a_second_of_a_container_restart(e2e: 
     took = max(_attempt_over(kube, "pod-bound-restarted", 1) - seen_at, 0.0)
     e2e.figures["pod-bound, container restarted → requeued"] = f"{took:.2f}s after the API server showed it"
     assert took < 1, f"{took:.2f}s from the container's restart to the requeue"
-    history = e2e.task("pod-bound-restarted")["status"]["history"]
-    assert history[0]["outcome"] == "Expired" and "container work" in history[0]["message"], history
+    first = wait_for(lambda: (a := _first_attempt(e2e, "pod-bound-restarted")).get("outcome") and a, timeout=30,
+                     interval=0.2, message="the expiry projected into the Task's status")
+    assert first["outcome"] == "Expired" and "container work" in first["message"], first
     wait_for(lambda: e2e.json("pod", "pod-bound-restarted", "-n", NS)["status"]["containerStatuses"][0]
              .get("restartCount", 0) >= 1, timeout=60, interval=0.5, message="the container restarted")
     e2e.kubectl("delete", "pod", "pod-bound-restarted", "-n", NS, "--grace-period=0", "--force")
