@@ -245,8 +245,13 @@ class PodBound:
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             key = self._take()
-            if key is not None:
+            if key is None:
+                continue
+            try:
                 self.step(key)
+            except Exception:  # noqa: BLE001 - a bug must not stop the other bound leases
+                log.exception("lease %s/%s (pod-bound): failed", *key)
+                self._later(key)
 
     def step(self, key: Key) -> None:
         """Decide for one bound lease and act on it: at most one write."""
