@@ -118,10 +118,15 @@ def test_the_chart_policy_is_generated_from_the_models() -> None:
 
 def test_helm_template_shows_the_policy_by_default() -> None:
     docs = render()
-    found = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
-    assert len(found) == 1 and found[0]["spec"]["failurePolicy"] == "Fail"
-    binding = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": "rel-agent-protocol", "validationActions": ["Deny"]}
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    assert set(policies) == {"rel-agent-protocol", "rel-operator-renew"}
+    found = [policies["rel-agent-protocol"]]
+    assert found[0]["spec"]["failurePolicy"] == "Fail"
+    bindings = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert bindings["rel-agent-protocol"]["spec"] == {"policyName": "rel-agent-protocol", "validationActions": ["Deny"]}
+    # The operator's renewals of pod-bound leases: judged by the operator's own ServiceAccount.
+    renew = policies["rel-operator-renew"]["spec"]["matchConditions"][0]["expression"]
+    assert "== 'system:serviceaccount:ops:rel-operator'" in renew
     # Matched by who writes, never by a label of the Lease, which its writer controls.
     assert "objectSelector" not in found[0]["spec"]["matchConstraints"]
     election = [v["expression"] for v in found[0]["spec"]["validations"] if "election" in v["message"]]

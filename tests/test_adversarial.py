@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from conftest import AGENT_SA, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
+from test_chart import CHART, _helm
 from tasklease.agent import Agent, Identity
 from tasklease.api import errors, models
-from tasklease.api.timestamps import now_utc
+from tasklease.api.timestamps import format_time, now_utc
 from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, Kube
 from tasklease.protocol import TaskView, members, policy, record
-from tasklease.protocol.rules import claimed
+from tasklease.protocol.rules import claimed, ended
 from tasklease.protocol.transitions import Held, Protocol
 
 pytestmark = pytest.mark.adversarial
@@ -612,3 +614,103 @@ def test_a_claim_created_in_another_queue_is_put_back_in_its_tasks_queue(
     wait_for(lambda: _refusal(create(mallory, misfiled)) == "", timeout=30, message="mallory's claim to be judged")
     wait_for(lambda: record.decode(kube.get(LEASES, "misfiled")).queue == "q", timeout=60,
              message="the Lease labelled with its task's queue")
+
+
+# -- pod-bound leases (docs/pod-bound.md): only one's own Pod; the operator only renews ---------------
+
+RENEW_RELEASE = "tasklease"  # its operator ServiceAccount is tasklease-operator, as the suite's operators'
+
+
+@pytest.fixture
+def renew_policy(cluster: Cluster, arena: Arena, chart_roles: dict[str, str], tmp_path: Path) -> Iterator[Kube]:
+    """The chart's operator-renew policy for the operator ServiceAccount of the arena's namespace,
+    and a client with that ServiceAccount's token and the chart's operator rights."""
+    done = _helm("template", RENEW_RELEASE, str(CHART), "-n", arena.namespace)
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"].startswith("ValidatingAdmissionPolicy")
+            and d["metadata"]["name"] == f"{RENEW_RELEASE}-operator-renew"]
+    assert len(docs) == 2
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    operator = Kube.connect(kubeconfig=str(service_account_kubeconfig(
+        cluster, arena.namespace, f"{RENEW_RELEASE}-operator", chart_roles["operator"], tmp_path)))
+    try:
+        yield operator
+    finally:
+        cluster.kubectl("delete", "validatingadmissionpolicy,validatingadmissionpolicybinding",
+                        f"{RENEW_RELEASE}-operator-renew", "--ignore-not-found")
+
+
+def _bound(arena: Arena) -> record.LeaseRecord:
+    """A task alice holds, bound to her own Pod as `tasklease claim --pod-bound` binds it."""
+    protocol = Protocol(arena.alice)
+    return protocol.bind_to_pod(arena.held(), arena.alice_uid).record
+
+
+# -- the agents' policy: only one's own Pod ------------------------------------------------------------
+
+
+def test_an_agent_binds_a_lease_to_its_own_pod(arena: Arena) -> None:
+    rec = _bound(arena)
+    assert rec.pod_bound == arena.alice_uid
+    assert arena.raw(rec.name)["metadata"]["annotations"][record.ANN_POD_BOUND] == arena.alice_uid
+
+
+def test_binding_my_lease_to_another_agents_pod(arena: Arena) -> None:
+    """Else a dead agent's lease would live on as long as a long-lived peer's Pod."""
+    bob_uid = arena.admin.get(PODS, "bob")["metadata"]["uid"]
+    held = arena.held()
+    refused(put(arena.alice, held.record, pod_bound=bob_uid), "must name the uid of the agent's own Pod")
+    refused(put(arena.alice, held.record, pod_bound="made-up"), "must name the uid of the agent's own Pod")
+
+
+def test_a_binding_kept_by_a_lease_its_holder_ends(arena: Arena) -> None:
+    rec = _bound(arena)
+    body = record.encode_replacement(ended(rec, outcome="Released", now=now_utc()))
+    body["metadata"]["annotations"][record.ANN_POD_BOUND] = arena.alice_uid
+    refused(put_raw(arena.alice, body), "only on a held lease")
+
+
+# -- the operator's policy: renew, and only renew ---------------------------------------------------
+
+
+def _policy_bites(operator: Kube, arena: Arena) -> None:
+    """The renew policy is loaded asynchronously: wait until it refuses a forged handover."""
+    def refusal() -> str:
+        rec = _bound(arena)
+        try:
+            operator.merge_patch(LEASES, rec.name, {"spec": {"leaseDurationSeconds": 60}}, namespace=arena.namespace)
+        except errors.TaskleaseError as exc:
+            return str(exc)
+        return ""
+    wait_for(lambda: "the operator only renews" in refusal(), timeout=30, message="the operator-renew policy")
+
+
+def test_the_operator_renews_a_bound_lease_and_changes_nothing_else(renew_policy: Kube, arena: Arena) -> None:
+    operator = renew_policy
+    _policy_bites(operator, arena)
+    rec = _bound(arena)
+    renewed = Protocol(operator).keep_alive(rec)
+    assert renewed.resource_version != rec.resource_version and renewed.renewed_at != rec.renewed_at
+    assert (renewed.holder, renewed.epoch, renewed.pod_bound) == (rec.holder, rec.epoch, rec.pod_bound)
+    for change, value in (("holderIdentity", arena.bob_holder), ("leaseTransitions", rec.epoch + 1),
+                          ("leaseDurationSeconds", 3600), ("acquireTime", format_time(now_utc()))):
+        with pytest.raises(errors.TaskleaseError, match="the operator only renews a pod-bound lease"):
+            operator.merge_patch(LEASES, rec.name, {"metadata": {"resourceVersion": renewed.resource_version},
+                                                    "spec": {change: value}}, namespace=arena.namespace)
+    with pytest.raises(errors.TaskleaseError, match="the operator only renews a pod-bound lease"):
+        operator.merge_patch(LEASES, rec.name, {"metadata": {"annotations": {record.ANN_POD_BOUND: "other"}}},
+                             namespace=arena.namespace)
+    # The holder keeps the right to end its attempt after the operator's renewal.
+    held = Protocol(arena.alice).adopt(arena.namespace, rec.name, holder=rec.holder, epoch=rec.epoch)
+    done = Protocol(arena.alice).complete(replace(held, record=rec), "done")  # a stale version: re-read, still ours
+    assert done.record.outcome == "Succeeded"
+    assert record.ANN_POD_BOUND not in arena.raw(rec.name)["metadata"]["annotations"]
+
+
+def test_the_operator_may_still_end_a_bound_attempt(renew_policy: Kube, arena: Arena) -> None:
+    operator = renew_policy
+    _policy_bites(operator, arena)
+    rec = _bound(arena)
+    view = arena.task()  # any Task's spec will do for the backoff
+    expired = Protocol(operator).expire(replace(view, name=rec.name), rec, message="its pod went")
+    assert expired.state == record.FREE and expired.pod_bound == ""

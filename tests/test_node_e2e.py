@@ -26,6 +26,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, wait_for
+from tasklease.kube import LEASES, PODS, Kube
+from tasklease.protocol import record
 from tasklease_dev import binaries, images, node
 from tasklease_dev.cluster import LocalCluster, free_port
 
@@ -388,6 +390,121 @@ def test_graceful_pod_deletion_releases_the_task_and_exits_within_grace(e2e: E2E
     e2e.figures["graceful deletion, pod gone"] = f"{gone_s:.1f}s of a 30s grace period"
     wait_for(lambda: e2e.phase("gracefully-stopped") == "Succeeded", timeout=120, interval=0.5,
              message="the released task finished by another pod")
+
+
+# -- 5b. pod-bound leases: a shell agent with no renew loop (docs/pod-bound.md) -----------------------
+
+POD_BOUND_QUEUE = "pod-bound"
+# Claims once per Pod (the emptyDir outlives a container restart), then does what MODE says:
+# `sleep` sleeps 20s (four lease durations) and completes; `wait` waits for /tmp/die and exits 1
+# (its container restarts); `hold` holds the task for good. No `tasklease renew` anywhere.
+_POD_BOUND_SCRIPT = """
+if [ -e /tmp/claimed ]; then exec sleep 3600; fi
+touch /tmp/claimed
+eval "$(tasklease claim --queue pod-bound --pod-bound --wait 60 --format env)" || exit 2
+case "$MODE" in
+  sleep) sleep 20; tasklease complete --result "slept 20s unrenewed" ;;
+  wait) while [ ! -e /tmp/die ]; do sleep 0.2; done; exit 1 ;;
+esac
+exec sleep 3600
+"""
+
+
+def _pod_bound_ready(e2e: E2E) -> Kube:
+    """The release installed (when this scenario runs alone) and a client of the node's API server."""
+    if not e2e.ready_pods(NS, OPERATOR_SELECTOR):
+        _install(e2e)
+        wait_for(lambda: e2e.ready_pods(NS, OPERATOR_SELECTOR), timeout=180, interval=0.5,
+                 message="the operator pod to be Ready")
+    return Kube.connect(kubeconfig=str(e2e.kubeconfig), namespace=NS)
+
+
+def _pod_bound_shell(e2e: E2E, kube: Kube, name: str, mode: str, *, lease_s: int) -> str:
+    """A Task of the pod-bound queue and a shell agent Pod (the example's pod, its container a
+    script) that claims it --pod-bound; returns the Pod's uid once it holds the task."""
+    e2e.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
+        "spec": {"queue": POD_BOUND_QUEUE, "leaseDurationSeconds": lease_s, "payload": {"mode": mode}}}))
+    template = yaml.safe_load(e2e.agents_manifest())["spec"]["template"]
+    spec = template["spec"]
+    container = spec["containers"][0]
+    container.pop("args")
+    container.update(name="work", command=["sh", "-c", _POD_BOUND_SCRIPT])
+    container["env"].append({"name": "MODE", "value": mode})
+    # Not the Deployment's: another name label, or its ReplicaSet would adopt the Pod.
+    labels = {**template["metadata"]["labels"], "app.kubernetes.io/name": "pod-bound-shell"}
+    e2e.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec}))
+
+    def bound() -> record.LeaseRecord | None:
+        lease = kube.get_or_none(LEASES, name, namespace=NS)
+        rec = record.decode(lease) if lease else None
+        return rec if rec is not None and rec.state == record.HELD and rec.pod_bound else None
+    rec = wait_for(bound, timeout=180, interval=0.2, message=f"{name} claimed --pod-bound")
+    uid = str(e2e.json("pod", name, "-n", NS)["metadata"]["uid"])
+    assert rec.pod_bound == uid and rec.holder_pod == name, rec
+    return uid
+
+
+def _first_attempt(e2e: E2E, name: str) -> dict[str, Any]:
+    history = e2e.task(name).get("status", {}).get("history", [])
+    return dict(history[0]) if history else {}
+
+
+def _attempt_over(kube: Kube, name: str, epoch: int) -> float:
+    """Poll the Lease until attempt `epoch` is no longer held; the monotonic time it was seen so."""
+    def over() -> bool:
+        rec = record.decode(kube.get(LEASES, name, namespace=NS))
+        return rec.state != record.HELD or rec.epoch != epoch
+    wait_for(over, timeout=60, interval=0.02, message=f"attempt {epoch} of {name} over")
+    return time.monotonic()
+
+
+def test_pod_bound_claim_survives_a_long_sleep_without_renewals(e2e: E2E) -> None:
+    kube = _pod_bound_ready(e2e)
+    _pod_bound_shell(e2e, kube, "pod-bound-sleeper", "sleep", lease_s=5)
+    wait_for(lambda: e2e.phase("pod-bound-sleeper") == "Succeeded", timeout=120, interval=0.5,
+             message=f"the sleeper's task Succeeded\n{e2e.operator_logs()[-3000:]}")
+    status = e2e.task("pod-bound-sleeper")["status"]
+    assert status["attempt"] == 1 and [a["outcome"] for a in status["history"]] == ["Succeeded"], status
+    assert status["result"] == "slept 20s unrenewed"
+    reasons = [e["reason"] for e in e2e.json("events", "-n", NS, "--field-selector",
+                                              "involvedObject.name=pod-bound-sleeper")["items"]]
+    assert "PodBound" in reasons, reasons
+    e2e.kubectl("delete", "pod", "pod-bound-sleeper", "-n", NS, "--grace-period=0", "--force")
+
+
+def test_pod_bound_task_is_requeued_within_a_second_of_its_pods_deletion(e2e: E2E) -> None:
+    kube = _pod_bound_ready(e2e)
+    _pod_bound_shell(e2e, kube, "pod-bound-deleted", "hold", lease_s=30)
+    e2e.kubectl("delete", "pod", "pod-bound-deleted", "-n", NS, "--grace-period=0", "--force")
+    deleted_at = time.monotonic()
+    took = _attempt_over(kube, "pod-bound-deleted", 1) - deleted_at
+    e2e.figures["pod-bound, pod deleted → requeued"] = f"{took:.2f}s (lease 30s)"
+    assert took < 1, f"{took:.2f}s from the pod's deletion to the requeue"
+    wait_for(lambda: _first_attempt(e2e, "pod-bound-deleted").get("outcome") == "Expired", timeout=30,
+             interval=0.2, message="the expiry projected into the Task's status")
+
+
+def test_pod_bound_task_is_requeued_within_a_second_of_a_container_restart(e2e: E2E) -> None:
+    kube = _pod_bound_ready(e2e)
+    _pod_bound_shell(e2e, kube, "pod-bound-restarted", "wait", lease_s=30)
+    e2e.kubectl("exec", "-n", NS, "pod-bound-restarted", "--", "touch", "/tmp/die")
+
+    def stopped() -> bool:
+        statuses = kube.get(PODS, "pod-bound-restarted", namespace=NS).get("status", {}).get("containerStatuses", [])
+        return any(c.get("restartCount", 0) > 0 or "running" not in (c.get("state") or {}) for c in statuses)
+    wait_for(stopped, timeout=60, interval=0.02, message="the container's exit in the Pod's status")
+    seen_at = time.monotonic()
+    took = max(_attempt_over(kube, "pod-bound-restarted", 1) - seen_at, 0.0)
+    e2e.figures["pod-bound, container restarted → requeued"] = f"{took:.2f}s after the API server showed it"
+    assert took < 1, f"{took:.2f}s from the container's restart to the requeue"
+    first = wait_for(lambda: (a := _first_attempt(e2e, "pod-bound-restarted")).get("outcome") and a, timeout=30,
+                     interval=0.2, message="the expiry projected into the Task's status")
+    assert first["outcome"] == "Expired" and "container work" in first["message"], first
+    wait_for(lambda: e2e.json("pod", "pod-bound-restarted", "-n", NS)["status"]["containerStatuses"][0]
+             .get("restartCount", 0) >= 1, timeout=60, interval=0.5, message="the container restarted")
+    e2e.kubectl("delete", "pod", "pod-bound-restarted", "-n", NS, "--grace-period=0", "--force")
 
 
 # -- 6. the operator pod dies ---------------------------------------------------------------------

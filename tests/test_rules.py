@@ -200,7 +200,10 @@ def test_a_patch_owns_every_label_and_annotation_a_record_writes() -> None:
     meta = record.encode(full)["metadata"]
     assert set(meta["annotations"]) <= set(record.OWNED_ANNOTATIONS)
     assert set(meta["labels"]) <= set(record.OWNED_LABELS)
-    assert set(meta["annotations"]) == set(record.OWNED_ANNOTATIONS)  # the record above sets them all
+    # The record above sets them all but the binding to a Pod, which only a held Lease carries.
+    assert set(meta["annotations"]) == set(record.OWNED_ANNOTATIONS) - {record.ANN_POD_BOUND}
+    bound = record.encode(replace(claimed(task, None, "pod/1", NOW), pod_bound="uid"))["metadata"]
+    assert record.ANN_POD_BOUND in bound["annotations"] and set(bound["annotations"]) <= set(record.OWNED_ANNOTATIONS)
 
 
 def test_a_watchers_decode_keeps_what_claimability_reads_and_drops_history_result_and_raw() -> None:

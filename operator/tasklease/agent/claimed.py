@@ -47,6 +47,14 @@ class LeaseWriter(Protocol):
     def release(self, held: Held, message: str = "released by its holder") -> Held: ...
 
 
+class Observer(Protocol):
+    """Told when an attempt starts and how it ends (`agent.metrics.AgentMetrics`). `outcome`:
+    completed, failed, released or lost; `seconds`: from the claim to that end."""
+
+    def claimed(self, task: ClaimedTask) -> None: ...
+    def ended(self, task: ClaimedTask, outcome: str, seconds: float) -> None: ...
+
+
 class ClaimedTask:
     """One held attempt. Use it as a context manager: an exception fails the attempt
     (retryable), leaving without an outcome releases it.
@@ -58,7 +66,8 @@ class ClaimedTask:
 
     def __init__(self, protocol: LeaseWriter, held: Held, payload: dict[str, Any], *, interrupt: bool = False,
                  followers: Followers | None = None, renewals: Renewals | None = None,
-                 settings: AgentSettings | None = None, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 settings: AgentSettings | None = None, monotonic: Callable[[], float] = time.monotonic,
+                 observer: Observer | None = None) -> None:
         """`followers`: hear of a cancel or deletion of the Task at once (None: at the next renewal,
         for a claim handed over to another process). `renewals`: the agent's scheduler of first
         renewals (None: one for this claim alone)."""
@@ -78,6 +87,11 @@ class ClaimedTask:
         self._stop = threading.Event()
         self._following: Following | None = None
         self._last_ok = monotonic()
+        self._observer = observer
+        self._started = monotonic()
+        self._observed = False  # its end was told to the observer
+        if observer is not None:
+            observer.claimed(self)
         if followers is not None:
             # Instant cancel. Held weakly, like the renew thread's reference: a dropped claim is let go.
             # Every field is set by now: a cancel the watch saw already is delivered in this call.
@@ -156,12 +170,15 @@ class ClaimedTask:
         else:
             text = json.dumps(result, separators=(",", ":"))
         self._finish(lambda h: self.protocol.complete(h, text))
+        self._observe("completed")
 
     def fail(self, message: str, *, retryable: bool = True) -> None:
         self._finish(lambda h: self.protocol.fail(h, message, retryable=retryable))
+        self._observe("failed")
 
     def release(self, message: str = "released by its holder") -> None:
         self._finish(lambda h: self.protocol.release(h, message))
+        self._observe("released")
 
     def _give_back(self, reason: str) -> None:
         """Release the task for another agent while its work may still run (a drain's grace ran
@@ -275,6 +292,14 @@ class ClaimedTask:
         finally:
             self._writing.release()
 
+    def _observe(self, outcome: str) -> None:
+        """Tell the observer how the attempt ended: once, the first end that happened."""
+        with self._state:
+            if self._observer is None or self._observed:
+                return
+            self._observed = True
+        self._observer.ended(self, outcome, self._monotonic() - self._started)
+
     def _lose(self, reason: str, *, stop_work: bool = True) -> None:
         """Mark the attempt lost, then tell the work: the interrupt if asked for and inside the
         block (decided under the lock `__exit__` takes, so never after the block), and the
@@ -288,6 +313,7 @@ class ClaimedTask:
             if stop_work and self._interrupt is not None and self._inside:
                 self._interrupt.deliver()
         self._end_turns()
+        self._observe("lost")
         if not stop_work:
             return
         log.warning("lost task %s/%s (attempt %d): %s", self.namespace, self.name, self.epoch, reason)

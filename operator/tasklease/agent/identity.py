@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import os
 import re
 import socket
@@ -13,6 +16,7 @@ from tasklease.api import errors
 from tasklease.protocol import record
 
 _CONTAINER = re.compile(r"[A-Za-z0-9._-]+")  # no '/', ':' or '@': they separate a holder's parts
+SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,20 @@ class Identity:
     @property
     def holder(self) -> str:
         return f"{self.pod}/{self.instance}" + (f"@{record.short_uid(self.pod_uid)}" if self.pod_uid else "")
+
+
+def own_pod_uid(token: Path = SA_TOKEN) -> str:
+    """This Pod's uid: POD_UID (the downward API), else the claims of the Pod-bound
+    ServiceAccount token Kubernetes mounts (`kubernetes.io.pod.uid`); "" when neither says.
+    The token is only read here, never trusted: the API server checks it on every request."""
+    if uid := os.environ.get("POD_UID", ""):
+        return uid
+    try:
+        claims = token.read_text().strip().split(".")[1]
+        decoded = json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))
+        return str(decoded["kubernetes.io"]["pod"]["uid"])
+    except (OSError, IndexError, ValueError, binascii.Error, KeyError, TypeError):
+        return ""
 
 
 def container_of(instance: str) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from tasklease.agent.cancel import Followers
-from tasklease.agent.claimed import ClaimedTask, Renewals
+from tasklease.agent.claimed import ClaimedTask, Observer, Renewals
 from tasklease.agent.discovery import Candidate, QueueView, task_selector
 from tasklease.agent.division import Division, Owner, weight
 from tasklease.agent.identity import Identity, container_of, instance_gone
@@ -60,8 +60,11 @@ class Agent:
     member Lease in each queue it claims from (`membership`)."""
 
     def __init__(self, kube: Kube, *, namespace: str | None = None, identity: Identity | None = None,
-                 best_of: int | None = None, settings: AgentSettings | None = None) -> None:
-        """`best_of`: a shorthand for `settings.best_of`."""
+                 best_of: int | None = None, settings: AgentSettings | None = None,
+                 metrics: Observer | None = None) -> None:
+        """`best_of`: a shorthand for `settings.best_of`. `metrics`: counts every attempt
+        (`agent.metrics.AgentMetrics`, opt-in)."""
+        self.metrics = metrics
         self.kube = kube
         self.namespace = namespace or kube.namespace
         self.identity = identity or Identity.from_environment()
@@ -406,7 +409,7 @@ class Agent:
         try:
             claimed = ClaimedTask(self.protocol, held, task.spec.payload, interrupt=interrupt,
                                   followers=self._followers if follow else None, renewals=self._renewals,
-                                  settings=self.settings)
+                                  settings=self.settings, observer=self.metrics)
             self._claims.add(claimed)
         except BaseException:
             with contextlib.suppress(errors.TaskleaseError):

@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["json", "env"], default="json",
                    help="json, or shell `export` lines for eval "
                         "(TASKLEASE_TASK, _NAMESPACE, _EPOCH, _HOLDER, _PAYLOAD)")
+    p.add_argument("--pod-bound", action="store_true",
+                   help="the operator renews the lease while this Pod runs and its containers do not restart: "
+                        "no `tasklease renew` loop (needs POD_UID or the Pod's token, and the Pod label "
+                        "tasklease.dev/agent=true; docs/pod-bound.md)")
 
     for name, help, handler, example in (
             ("renew", "renew a held lease", cmd_renew,
@@ -203,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the command (SIGTERM, SIGKILL after --grace) once it has run this long and fail "
                         "the attempt with reason AttemptTimedOut (default: the Task's attemptTimeoutSeconds; "
                         "none if it has none)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve this agent's Prometheus metrics (claims, completions, failures, lost leases, "
+                        "run time) on /metrics at PORT (needs prometheus-client: pip install 'tasklease[metrics]')")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="the address --metrics-port listens on (default 0.0.0.0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
 
     p = command("completion", "print the shell completion script for bash or zsh", cmd_completion,

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tasklease.agent.identity import own_pod_uid
+from tasklease.agent.metrics import AgentMetrics
 from tasklease.agent.sdk import Agent, Identity
 from tasklease.api import errors
 from tasklease.cli.common import kube_of
@@ -19,12 +21,26 @@ from tasklease.protocol import Held, Protocol
 
 def cmd_claim(args: argparse.Namespace) -> int:
     kube = kube_of(args)
+    pod_uid = own_pod_uid() if args.pod_bound else ""
+    if args.pod_bound and not pod_uid:
+        raise errors.Invalid("--pod-bound needs this Pod's uid: set POD_UID from the downward API "
+                             "(fieldRef metadata.uid), or mount the Pod's ServiceAccount token")
     agent = Agent(kube, identity=Identity.from_environment(handed_over=True))
     with _no_such_namespace_is_not_found(kube):
         task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
                 else agent.claim_once(args.queue))
-    # The CLI returns at once: the caller renews (tasklease renew) from here on.
+    # The CLI returns at once: the caller renews (tasklease renew) from here on, or the
+    # operator does while this Pod runs (--pod-bound).
     task.detach()
+    if args.pod_bound:
+        try:
+            Protocol(kube).bind_to_pod(task.held, pod_uid)
+        except errors.TaskleaseError:
+            # Not bound, the task must not stay claimed with nobody renewing it.
+            with contextlib.suppress(errors.TaskleaseError):
+                Protocol(kube).release(task.held, "could not bind the lease to its pod")
+            agent.close()
+            raise
     out = {"name": task.name, "namespace": task.namespace, "epoch": task.epoch, "holder": task.holder,
            "leaseDurationSeconds": task.held.duration_s, "payload": task.payload}
     if args.format == "env":
@@ -74,9 +90,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
     if args.timeout is not None and args.timeout <= 0:
         raise errors.Invalid(f"--timeout must be more than 0 seconds (got {args.timeout:g})")
+    metrics = AgentMetrics() if args.metrics_port is not None else None
+    if metrics is not None:
+        try:
+            metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            raise errors.Invalid(f"--metrics-port {args.metrics_port}: {exc.strerror or exc}") from None
     kube = kube_of(args)
     # Leaving the block leaves the queue: our peers divide our share at once.
-    with Agent(kube, identity=Identity.from_environment()) as agent, _no_such_namespace_is_not_found(kube):
+    with (Agent(kube, identity=Identity.from_environment(), metrics=metrics) as agent,
+          _no_such_namespace_is_not_found(kube)):
         runner = Runner(agent, queue=args.queue, argv=cmd, grace_s=args.grace, concurrency=args.concurrency,
                         drain=args.drain, timeout_s=args.timeout)
         return runner.run(loop=args.loop, wait_s=args.wait)

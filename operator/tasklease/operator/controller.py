@@ -49,6 +49,7 @@ from tasklease.kube.watching import Reflector
 from tasklease.operator.health import CRD_NAME, Health, WatchHealth
 from tasklease.operator.leader import ElectionConfig, LeaderElector
 from tasklease.operator.options import validate
+from tasklease.operator.podbound import PodBound
 from tasklease.operator.reconciler import Reconciler
 
 log = logging.getLogger("tasklease.operator")
@@ -77,13 +78,16 @@ def run_operator(args: argparse.Namespace) -> int:
             lease_duration_s=duration, renew_deadline_s=duration * 2 / 3, retry_period_s=max(duration / 7.5, 0.2))
         elector = LeaderElector(kube, config, identity=identity, on_started=reconciler.activate,
                                 on_stopped=reconciler.deactivate)
+    podbound = PodBound(kube, active=reconciler.active)
     workers = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler", daemon=True)
-    health = Health(kube, reconciler, namespaces=args.namespaces, threads=[workers],
+    renewals = threading.Thread(target=podbound.run, args=(stop,), name="pod-bound", daemon=True)
+    health = Health(kube, reconciler, namespaces=args.namespaces, threads=[workers, renewals],
                     elector_alive=elector.alive if elector else None, watches=WatchHealth())
     health.watches.attach()
     health.check()
     server = _serve_http(args.http_host, args.http_port, ready, health) if args.http_port else None
     workers.start()
+    renewals.start()
     threading.Thread(target=health.run, args=(stop,), name="health", daemon=True).start()
     if elector is not None:
         elector.start()
@@ -93,7 +97,7 @@ def run_operator(args: argparse.Namespace) -> int:
              "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
-        while _run_watches(reconciler, kube, args, ready, identity, health):
+        while _run_watches(reconciler, podbound, kube, args, ready, identity, health):
             ready.clear()
             health.watches.reset()  # what the old watches could not do says nothing of the new ones
     finally:
@@ -110,8 +114,8 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event,
-                 identity: str, health: Health) -> bool:
+def _run_watches(reconciler: Reconciler, podbound: PodBound, kube: Kube, args: argparse.Namespace,
+                 ready: threading.Event, identity: str, health: Health) -> bool:
     """Run our Task and Lease watches and kopf until SIGTERM/SIGINT (False) or until the
     watches must start over (True): the Task CRD was recreated, or a stopped watch can work."""
     # An asyncio.Event on our own loop, not a threading.Event or a concurrent Future: kopf
@@ -125,11 +129,11 @@ def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, r
         restart.set()
         loop.call_soon_threadsafe(stop.set)
     health.restart_watches = restart_watches
-    reflectors = _reflectors(reconciler, kube, args.namespaces, health)
+    reflectors = _reflectors(reconciler, podbound, kube, args.namespaces, health)
     health.watches.track(reflectors)
     for r in reflectors:
         r.start()
-    registry = _registry(reconciler, kube, health)
+    registry = _registry(reconciler, podbound, kube, health)
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -153,7 +157,8 @@ def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, r
     return restart.is_set()
 
 
-def _reflectors(reconciler: Reconciler, kube: Kube, namespaces: list[str] | None, health: Health) -> list[Reflector]:
+def _reflectors(reconciler: Reconciler, podbound: PodBound, kube: Kube, namespaces: list[str] | None,
+                health: Health) -> list[Reflector]:
     """Tasks and Leases (ours only), per namespace or cluster-wide: paginated lists, then watches."""
     def on_task(kind: str, obj: JSON) -> None:
         health.watches.event()
@@ -162,6 +167,7 @@ def _reflectors(reconciler: Reconciler, kube: Kube, namespaces: list[str] | None
     def on_lease(kind: str, obj: JSON) -> None:
         health.watches.event()
         reconciler.on_lease(kind, obj)
+        podbound.on_lease(kind, obj)
     scopes: list[str | None] = [*namespaces] if namespaces else [None]
     return [r for ns in scopes for r in (
         Reflector(kube, TASKS, namespace=ns, listener=on_task, keep_objects=False),
@@ -169,7 +175,7 @@ def _reflectors(reconciler: Reconciler, kube: Kube, namespaces: list[str] | None
                   label_selector=record.MANAGED_SELECTOR))]
 
 
-def _registry(reconciler: Reconciler, kube: Kube, health: Health) -> kopf.OperatorRegistry:
+def _registry(reconciler: Reconciler, podbound: PodBound, kube: Kube, health: Health) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.startup(registry=registry)
@@ -194,6 +200,7 @@ def _registry(reconciler: Reconciler, kube: Kube, health: Health) -> kopf.Operat
     @kopf.on.event("v1", "pods", registry=registry)
     async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
         reconciler.on_pod(event.get("type") or "ADDED", dict(event["object"]))
+        podbound.on_pod(event.get("type") or "ADDED", dict(event["object"]))
 
     return registry
 

@@ -30,8 +30,12 @@ TASKS = Gauge("tasklease_tasks", "Tasks by phase, as last projected.", [*QUEUE, 
 CLAIMS = Counter("tasklease_claims_total", "Claims (new attempts) observed.", QUEUE, registry=REGISTRY)
 COMPLETIONS = Counter("tasklease_completions_total", "Tasks that reached a terminal phase.", [*QUEUE, "phase"],
                       registry=REGISTRY)
-EXPIRATIONS = Counter("tasklease_expirations_total", "Leases expired by the operator, by cause (timeout, pod-gone).",
+EXPIRATIONS = Counter("tasklease_expirations_total",
+                      "Leases expired by the operator, by cause (timeout, pod-gone, container-restarted).",
                       [*QUEUE, "cause"], registry=REGISTRY)
+POD_BOUND_RENEWALS = Counter("tasklease_pod_bound_renewals_total",
+                             "Pod-bound leases renewed by the operator while their holder's Pod runs.", QUEUE,
+                             registry=REGISTRY)
 REQUEUES = Counter("tasklease_requeues_total", "Attempts that ended with the task back in its queue.", QUEUE,
                    registry=REGISTRY)
 DEAD_LETTERS = Counter("tasklease_dead_letters_total", "Tasks dead-lettered after maxAttempts.", QUEUE,
@@ -63,7 +67,8 @@ MALFORMED = Counter("tasklease_malformed_objects_total",
 LEADER = Gauge("tasklease_operator_leader", "1 while this replica is the active one.", registry=REGISTRY)
 PENDING_WORK = Gauge("tasklease_operator_queue_depth", "Tasks waiting to be reconciled.", registry=REGISTRY)
 
-_PER_QUEUE: Final = (CLAIMS, REQUEUES, DEAD_LETTERS, RETRIES, CLEANUPS, QUEUE_WAIT, ATTEMPT_TIMEOUTS)
+_PER_QUEUE: Final = (CLAIMS, REQUEUES, DEAD_LETTERS, RETRIES, CLEANUPS, QUEUE_WAIT, ATTEMPT_TIMEOUTS,
+                     POD_BOUND_RENEWALS)
 ATTEMPT_OUTCOMES: Final = ("Succeeded", "Failed", "Expired", ATTEMPT_TIMED_OUT, "Released", "Requeued", "Cancelled")
 
 
@@ -75,7 +80,7 @@ def known_queue(namespace: str, queue: str) -> None:
         TASKS.labels(namespace, queue, phase.value)
         if phase.terminal:
             COMPLETIONS.labels(namespace, queue, phase.value)
-    for cause in ("timeout", "pod-gone"):
+    for cause in ("timeout", "pod-gone", "container-restarted"):
         EXPIRATIONS.labels(namespace, queue, cause)
     for outcome in ATTEMPT_OUTCOMES:
         RUN_TIME.labels(namespace, queue, outcome)

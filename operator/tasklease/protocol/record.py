@@ -28,12 +28,15 @@ ANN_ERROR: Final = "tasklease.dev/error"
 ANN_NOT_BEFORE: Final = "tasklease.dev/not-before"
 ANN_HISTORY: Final = "tasklease.dev/history"
 ANN_BUDGET_FROM: Final = "tasklease.dev/budget-from"
+# The uid of the holder's Pod, when the holder asked the operator to keep its lease alive
+# while that Pod runs (docs/pod-bound.md). Only on a held Lease.
+ANN_POD_BOUND: Final = "tasklease.dev/pod-bound"
 
 MANAGED_SELECTOR: Final = f"{LABEL_MANAGED}=tasklease"
 # What our writes own; any other label or annotation on a Lease is left as it is.
 OWNED_LABELS: Final = (LABEL_MANAGED, LABEL_QUEUE, LABEL_STATE, LABEL_HOLDER_POD)
 OWNED_ANNOTATIONS: Final = (ANN_OUTCOME, ANN_REASON, ANN_RESULT, ANN_ERROR, ANN_NOT_BEFORE, ANN_HISTORY,
-                             ANN_BUDGET_FROM)
+                             ANN_BUDGET_FROM, ANN_POD_BOUND)
 
 FREE, HELD, CLOSED = "free", "held", "closed"
 _DEFAULT_DURATION_S: Final = int(models.TaskSpec.model_fields["lease_duration_seconds"].default)
@@ -66,6 +69,7 @@ class LeaseRecord:
     history: tuple[models.Attempt, ...] = ()
     # `tasklease retry` grants maxAttempts more claims from this epoch on; the epoch itself never goes back.
     budget_from: int = 0
+    pod_bound: str = ""  # the holder's Pod uid, while the operator keeps the lease alive for it
     resource_version: str = ""
     # What could not be read (`MALFORMED_REASONS`), left out or marked: see `decode`.
     malformed: tuple[str, ...] = field(default=(), compare=False)
@@ -142,6 +146,7 @@ def decode(lease: JSON, *, whole: bool = True) -> LeaseRecord:
         outcome=outcome, reason=reason, result=result, error=error,
         not_before=_time(ann.get(ANN_NOT_BEFORE), bad),
         history=history, budget_from=_number(ann.get(ANN_BUDGET_FROM), 0, bad),
+        pod_bound=ann.get(ANN_POD_BOUND, "") if holder and not outcome else "",
         resource_version=str(meta.get("resourceVersion", "")), raw=lease if whole else {},
         malformed=tuple(dict.fromkeys(bad)),
     )
@@ -215,7 +220,8 @@ def encode(rec: LeaseRecord) -> JSON:
     ann = meta["annotations"]
     for key, value in ((ANN_OUTCOME, rec.outcome), (ANN_REASON, rec.reason), (ANN_RESULT, rec.result),
                        (ANN_ERROR, rec.error), (ANN_NOT_BEFORE, format_time(rec.not_before)),
-                       (ANN_BUDGET_FROM, str(rec.budget_from) if rec.budget_from else "")):
+                       (ANN_BUDGET_FROM, str(rec.budget_from) if rec.budget_from else ""),
+                       (ANN_POD_BOUND, rec.pod_bound if rec.state == HELD else "")):
         if value:
             ann[key] = value
     if rec.history:

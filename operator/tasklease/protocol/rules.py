@@ -143,7 +143,7 @@ def claimed(task: TaskView, rec: LeaseRecord | None, holder: str, now: datetime)
     epoch = attempts_made(task, rec) + 1
     entry = models.Attempt(attempt=epoch, holder=holder, claimed_at=now)
     return replace(base, holder=holder, epoch=epoch, duration_s=task.spec.lease_duration_seconds,
-                   acquired_at=now, renewed_at=now, not_before=None,
+                   acquired_at=now, renewed_at=now, not_before=None, pod_bound="",
                    history=(*base.history, entry)[-models.MAX_HISTORY:])
 
 
@@ -161,7 +161,7 @@ def ended(rec: LeaseRecord, *, outcome: str, now: datetime, message: str = "", c
         if outcome in ("Failed", "Expired", models.ATTEMPT_TIMED_OUT) or close == models.Phase.FAILED.value
         else rec.error)
     return replace(rec, holder="", renewed_at=now, outcome=close, reason=reason, result=result,
-                   error=error, not_before=not_before, history=history)
+                   error=error, not_before=not_before, history=history, pod_bound="")
 
 
 def requeued(rec: LeaseRecord, spec: models.TaskSpec, *, outcome: str, message: str, now: datetime,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from tasklease.api import errors, models
-from tasklease.api.timestamps import Clock
+from tasklease.api.timestamps import Clock, format_time
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.protocol.record import (
     CLOSED,
@@ -146,6 +146,14 @@ class Protocol:
                           close=models.Phase.FAILED.value, reason="Failed")
         return self._as_holder(held, failed)
 
+    def bind_to_pod(self, held: Held, pod_uid: str) -> Held:
+        """held(A, E) → held(A, E) bound to the holder's Pod: the operator renews it while that
+        Pod runs and its containers do not restart (docs/pod-bound.md)."""
+        if not pod_uid:
+            raise errors.Invalid("a pod-bound lease needs the holder's Pod uid (POD_UID from the downward API, "
+                                 "or a token bound to the Pod)")
+        return self._as_holder(held, lambda rec: replace(rec, pod_bound=pod_uid, renewed_at=self.clock()))
+
     def release(self, held: Held, message: str = "released by its holder") -> Held:
         """held(A, E) → free at once (no backoff): the holder gives the task back."""
         return self._as_holder(held, lambda rec: requeued(
@@ -153,12 +161,22 @@ class Protocol:
 
     # operator side (and `tasklease cancel/requeue`): conditional on what the caller observed
 
-    def expire(self, task: TaskView, rec: LeaseRecord) -> LeaseRecord:
+    def expire(self, task: TaskView, rec: LeaseRecord, message: str = "") -> LeaseRecord:
         """held(A, E) → free after backoff (or dead-lettered). Conflict if the holder renewed meanwhile."""
         if rec.state != HELD:
             raise errors.Invalid(f"lease {rec.namespace}/{rec.name} is {rec.state}, not held")
-        return self._write(requeued(rec, task.spec, outcome="Expired", message=f"lease of {rec.holder} expired",
-                                     now=self.clock(), backoff=True))
+        return self._write(requeued(rec, task.spec, outcome="Expired",
+                                     message=message or f"lease of {rec.holder} expired", now=self.clock(),
+                                     backoff=True))
+
+    def keep_alive(self, rec: LeaseRecord) -> LeaseRecord:
+        """The operator renews a pod-bound lease: renewTime only, conditional on the version it
+        saw (409 if the holder wrote meanwhile, 404 if the Lease is gone)."""
+        if rec.state != HELD or not rec.pod_bound:
+            raise errors.Invalid(f"lease {rec.namespace}/{rec.name} is not held pod-bound")
+        patch = {"metadata": {"resourceVersion": rec.resource_version},
+                 "spec": {"renewTime": format_time(self.clock())}}
+        return decode(self.kube.merge_patch(LEASES, rec.name, patch, namespace=rec.namespace))
 
     def undo(self, rec: LeaseRecord, why: str, *, not_before: datetime | None) -> LeaseRecord:
         """held(A, E) → free, not counted (`rules.undone`): the operator takes back a claim made
