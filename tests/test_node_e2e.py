@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, wait_for
-from tasklease_dev import binaries, images, node
+from tasklease_dev import binaries, dist, images, node
 from tasklease_dev.cluster import LocalCluster, free_port
 
 pytestmark = [pytest.mark.skipif(not os.environ.get("TASKLEASE_E2E"), reason="real pods: run `make e2e`"),
@@ -35,6 +35,8 @@ pytestmark = [pytest.mark.skipif(not os.environ.get("TASKLEASE_E2E"), reason="re
 RELEASE = "tasklease"
 NS = "tasklease-e2e"
 RESTRICTED_NS = "tasklease-e2e-restricted"
+DIST_NS = "tasklease-e2e-dist"
+DIST_RELEASE = "dist"
 AGENTS = "thumbnail-agents"
 QUEUE = "thumbnails"
 CHART = ROOT / "helm" / "tasklease"
@@ -73,10 +75,13 @@ class E2E:
         assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr.strip()}"
         return done.stdout
 
-    def values(self, *, host_network: bool = True) -> list[str]:
+    def values(self, *, host_network: bool = True, metrics_port: int | None = None,
+               dev_image: bool = True) -> list[str]:
         """The chart values for this cluster: on the local node, hostNetwork and loopback only."""
-        # The image `make node` builds (and kind loads): tasklease:dev, not a release's.
-        common = ["--set", f"metrics.port={self.metrics_port}", "--set", "image.tag=dev"]
+        # The image `make node` builds (and kind loads): tasklease:dev; else the chart's own
+        # default, the release's (`make dist`).
+        common = ["--set", f"metrics.port={metrics_port or self.metrics_port}",
+                  *(["--set", "image.tag=dev"] if dev_image else [])]
         if self.apiserver_port is None or not host_network:
             return common
         return common + [
@@ -207,11 +212,12 @@ def _read(path: Path) -> str:
 
 def _clean(e2e: E2E) -> None:
     """No namespace, release or CRD of an earlier run (pods first: the node may be going away)."""
-    for namespace in (NS, RESTRICTED_NS):
+    for namespace in (NS, RESTRICTED_NS, DIST_NS):
         e2e.kubectl("delete", "pods", "--all", "-n", namespace, "--force", "--grace-period=0", check=False)
-    e2e.kubectl("delete", "namespace", NS, RESTRICTED_NS, "--ignore-not-found", "--timeout=120s", check=False)
+    e2e.kubectl("delete", "namespace", NS, RESTRICTED_NS, DIST_NS, "--ignore-not-found", "--timeout=120s",
+                check=False)
     e2e.kubectl("delete", "crd", "tasks.tasklease.dev", "--ignore-not-found", "--timeout=60s", check=False)
-    for name in (RELEASE, "restricted"):
+    for name in (RELEASE, "restricted", DIST_RELEASE):
         e2e.kubectl("delete", "clusterrole,clusterrolebinding,validatingadmissionpolicy,"
                     "validatingadmissionpolicybinding", "-l", f"app.kubernetes.io/instance={name}", check=False)
 
@@ -485,6 +491,45 @@ def test_uninstall_keeps_the_crd_and_tasks_and_nothing_else(e2e: E2E) -> None:
     assert [f"{o['kind']}/{o['metadata']['name']}" for o in left
             if not o["metadata"].get("deletionTimestamp")] == []  # a pod still terminating counts as gone
     wait_for(lambda: not e2e.json("pods", "-n", NS)["items"], timeout=60, interval=0.5, message="no pod left")
+
+
+# -- 10. a release as users get it: dist/ -------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(EXTERNAL), reason="imports the image into the local node's containerd")
+def test_the_release_from_dist_installs_and_passes_helm_test(e2e: E2E, tmp_path: Path) -> None:
+    """Issue 35: the chart packaged by `make dist` installs with the image `make dist` built
+    (its OCI archive, imported into the node's containerd: no registry), and its `helm test`
+    hook (the operator Ready, a Task round-trip) passes in the cluster."""
+    assert e2e.node is not None
+    out = tmp_path / "dist"
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "tasklease_dev.dist", "--out", str(out)], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, timeout=1800)
+    e2e.figures["make dist"] = f"{time.monotonic() - t0:.1f}s"
+    release = dist.version()
+    (chart,) = out.glob(f"tasklease-{release}.tgz")
+    (image,) = out.glob(f"tasklease-image-{release}.oci.tar")
+    sums = dict(reversed(line.split("  ")) for line in (out / "SHA256SUMS").read_text().splitlines())
+    assert sums[chart.name] == dist._sha256(chart) and sums[image.name] == dist._sha256(image)
+    e2e.node.import_image(image)
+
+    e2e.kubectl("create", "namespace", DIST_NS, check=False)
+    # The chart's default image (tasklease:<appVersion>), never pulled; CRD taken over from an
+    # earlier release of this run, which keeps it on uninstall.
+    e2e.helm("install", DIST_RELEASE, str(chart), "-n", DIST_NS, "--take-ownership", "--wait", "--timeout=300s",
+             *e2e.values(metrics_port=free_port(), dev_image=False))
+    operator = wait_for(lambda: e2e.ready_pods(DIST_NS, f"app.kubernetes.io/instance={DIST_RELEASE},"
+                                                        "app.kubernetes.io/component=operator"),
+                        timeout=180, interval=0.5, message="the release's operator Ready")
+    assert operator[0]["spec"]["containers"][0]["image"] == f"tasklease:{release}"
+    t0 = time.monotonic()
+    tested = e2e.helm("test", DIST_RELEASE, "-n", DIST_NS, "--logs", "--timeout=300s")
+    e2e.figures["helm test"] = f"{time.monotonic() - t0:.1f}s"
+    assert "Phase:          Succeeded" in tested or "Phase: Succeeded" in " ".join(tested.split()), tested
+    assert "round-tripped" in tested and "is ready" in tested, tested
+    e2e.helm("uninstall", DIST_RELEASE, "-n", DIST_NS, "--wait")
+    e2e.kubectl("delete", "namespace", DIST_NS, "--timeout=120s")
 
 
 # -- loopback only, and nothing left -----------------------------------------------------------------
