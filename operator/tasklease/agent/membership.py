@@ -144,6 +144,8 @@ class Membership:
                     self._wake.wait(due)
                 stopping = self._stopping
                 told, claiming = self._next(leaving=stopping)
+            if stopping and last == -math.inf:  # never written: our peers never counted us
+                return
             try:
                 # Leaving, the last write tells and still names us: it is what proves the Lease
                 # ours when we delete it (the admission policy).
