@@ -48,6 +48,9 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     # binding and Pods, the probe is refused as Forbidden or Unauthorized, policy or not.
     wait_for(lambda: "may only hold a lease in its own pod's name" in _refusal(lambda: bob_kube.create(LEASES, forged)),
              timeout=30, message="the admission policy to be active")
+    # The policy on deletes likewise (until it bites, RBAC alone lets a delete through).
+    wait_for(lambda: "never deleted" in _refusal(lambda: _delete_probe(kube, bob_kube)),
+             timeout=30, message="the admission policy on deletes to be active")
 
     # Case by case against the one claimability rule: what the policy lets an agent claim
     # (a free Lease) and what it refuses (held by another pod, closed) is what `blocker` says.
@@ -72,7 +75,7 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     more_attempts = copy.deepcopy(held)
     more_attempts["metadata"].setdefault("annotations", {})[record.ANN_BUDGET_FROM] = "7"
     _refused(lambda: _patch(alice_kube, more_attempts), "cannot change tasklease.dev/budget-from")
-    _refused(lambda: alice_kube.delete(LEASES, "guarded"), "forbidden")  # RBAC: agents never delete
+    _refused(lambda: alice_kube.delete(LEASES, "guarded"), "a task's Lease is never deleted")
 
     task.complete("done")  # the holder's fair completion passes
     closed = kube.get(LEASES, "guarded")
@@ -102,6 +105,14 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     alice.close()
 
 
+def _delete_probe(admin: Kube, agent: Kube) -> None:
+    """An agent deleting a Lease that is not its member Lease."""
+    if admin.get_or_none(LEASES, "delete-probe") is None:
+        admin.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                              "metadata": {"name": "delete-probe"}, "spec": {}})
+    agent.delete(LEASES, "delete-probe")
+
+
 def _refusal(write: Any) -> str:
     """Why the API server refused `write`; "" when it was accepted."""
     try:
@@ -118,17 +129,29 @@ def test_the_chart_policy_is_generated_from_the_models() -> None:
 
 def test_helm_template_shows_the_policy_by_default() -> None:
     docs = render()
-    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
-    assert set(policies) == {"rel-agent-protocol", "rel-operator-renew"}
-    found = [policies["rel-agent-protocol"]]
-    assert found[0]["spec"]["failurePolicy"] == "Fail"
-    bindings = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
-    assert bindings["rel-agent-protocol"]["spec"] == {"policyName": "rel-agent-protocol", "validationActions": ["Deny"]}
+    found = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+    names = ["rel-agent-protocol", "rel-agent-leave", "rel-operator-renew"]
+    assert [d["metadata"]["name"] for d in found] == names
+    assert all(d["spec"]["failurePolicy"] == "Fail" for d in found)
+    bindings = [d["spec"] for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert bindings == [{"policyName": n, "validationActions": ["Deny"]} for n in names]
     # The operator's renewals of pod-bound leases: judged by the operator's own ServiceAccount.
-    renew = policies["rel-operator-renew"]["spec"]["matchConditions"][0]["expression"]
+    renew = found[2]["spec"]["matchConditions"][0]["expression"]
     assert "== 'system:serviceaccount:ops:rel-operator'" in renew
     # Matched by who writes, never by a label of the Lease, which its writer controls.
     assert "objectSelector" not in found[0]["spec"]["matchConstraints"]
     election = [v["expression"] for v in found[0]["spec"]["validations"] if "election" in v["message"]]
     assert election and "request.namespace == 'ops'" in election[0]
     assert not [d for d in render("agents.enforceProtocol=false") if d["kind"].startswith("ValidatingAdmission")]
+
+
+def _agent_lease_verbs(*values: str) -> set[str]:
+    role = next(d for d in render(*values) if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "rel-agent")
+    return {v for r in role["rules"] if "leases" in r["resources"] for v in r["verbs"]}
+
+
+def test_agents_may_delete_leases_only_beside_the_policy_that_limits_it() -> None:
+    """Deleting a task's Lease would reset its fencing epoch: the agents' role grants delete
+    (to leave a queue) only where the policy refuses every delete but an agent's own member Lease."""
+    assert "delete" in _agent_lease_verbs()
+    assert "delete" not in _agent_lease_verbs("agents.enforceProtocol=false")

@@ -88,8 +88,19 @@ def arena(cluster: Cluster, chart_roles: dict[str, str], tmp_path_factory: pytes
                                              holder="mallory/1", epoch=1))
     wait_for(lambda: "denied request" in _refusal(lambda: found.bob.create(LEASES, probe)),
              timeout=30, message="the admission policy to be active")
+    wait_for(lambda: "denied request" in _refusal(lambda: _delete_probe(found)),
+             timeout=30, message="the admission policy on deletes to be active")
     yield found
     root.delete(NAMESPACES, namespace)
+
+
+def _delete_probe(arena: Arena) -> None:
+    """An agent's delete of a Lease it may not delete (while the policy on deletes is not yet
+    active, RBAC alone lets it through)."""
+    if arena.admin.get_or_none(LEASES, "delete-probe") is None:
+        arena.admin.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                    "metadata": {"name": "delete-probe"}, "spec": {}})
+    arena.bob.delete(LEASES, "delete-probe")
 
 
 def _refusal(write: Callable[[], Any]) -> str:
@@ -521,9 +532,58 @@ def test_moving_a_member_lease_to_another_queue(arena: Arena) -> None:
     refused(put_raw(arena.alice, written), "the label tasklease.dev/agent-of cannot change")
 
 
+def test_deleting_a_tasks_lease_i_hold(arena: Arena) -> None:
+    held = arena.held()
+    refused(lambda: arena.alice.delete(LEASES, held.record.name), "a task's Lease is never deleted")
+    assert arena.admin.get_or_none(LEASES, held.record.name) is not None
+
+
+def test_deleting_a_closed_tasks_lease(arena: Arena) -> None:
+    rec = arena.closed()
+    refused(lambda: arena.alice.delete(LEASES, rec.name), "a task's Lease is never deleted")
+
+
+def test_deleting_a_lease_named_and_labelled_as_a_member_but_of_a_task(arena: Arena) -> None:
+    body = member_body(arena, arena.alice_holder, queue="posing")
+    body["metadata"]["labels"][record.LABEL_MANAGED] = "tasklease"
+    arena.admin.create(LEASES, body)  # written by someone trusted: no agent may write it so
+    refused(lambda: arena.alice.delete(LEASES, body["metadata"]["name"]), "a task's Lease is never deleted")
+
+
+def test_deleting_another_agents_member_lease(arena: Arena) -> None:
+    written = arena.alice.create(LEASES, member_body(arena, arena.alice_holder, queue="others",
+                                                     owner=("alice", arena.alice_uid)))
+    refused(lambda: arena.bob.delete(LEASES, written["metadata"]["name"]), "deletes only its own member Lease")
+    assert arena.admin.get_or_none(LEASES, written["metadata"]["name"]) is not None
+
+
+def test_deleting_another_agents_member_lease_once_it_left(arena: Arena) -> None:
+    written = arena.alice.create(LEASES, member_body(arena, arena.alice_holder, queue="gone",
+                                                     owner=("alice", arena.alice_uid)))
+    written["spec"]["holderIdentity"] = None
+    left = arena.alice.replace(LEASES, written)
+    refused(lambda: arena.bob.delete(LEASES, left["metadata"]["name"]), "owned by its own Pod")
+    arena.alice.delete(LEASES, left["metadata"]["name"])  # its own agent may: its Pod owns it
+
+
+def test_deleting_the_operators_election_lease(arena: Arena) -> None:
+    if arena.admin.get_or_none(LEASES, policy.ELECTION_LEASE, namespace="default") is None:
+        arena.admin.create(LEASES, {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": policy.ELECTION_LEASE, "namespace": "default"},
+            "spec": {"holderIdentity": "", "leaseDurationSeconds": 15}}, namespace="default")
+    refused(lambda: arena.bob.delete(LEASES, policy.ELECTION_LEASE, namespace="default"),
+            "an agent deletes only its own member Lease")
+
+
+def test_deleting_with_a_token_bound_to_no_pod(arena: Arena) -> None:
+    written = arena.bob.create(LEASES, member_body(arena, arena.bob_holder, queue="unbound"))
+    refused(lambda: arena.unbound.delete(LEASES, written["metadata"]["name"]), "a token bound to their Pod")
+
+
 def test_an_honest_agent_still_joins_claims_and_finishes(arena: Arena) -> None:
     """The other side of every case above: what an honest agent writes passes (claim by create
-    and by patch, renew, release, fail, complete, and its member Lease)."""
+    and by patch, renew, release, fail, complete, and its member Lease, deleted when it leaves)."""
     make_task(arena.admin, "honest", queue="honest")
     agent = Agent(arena.bob, identity=Identity(pod="bob", instance="1"))
     try:
@@ -536,6 +596,8 @@ def test_an_honest_agent_still_joins_claims_and_finishes(arena: Arena) -> None:
     finally:
         agent.close()
     assert record.decode(arena.raw(second.name)).result == "done"
+    # It left its queue: its member Lease, its own, is deleted.
+    assert arena.admin.get_or_none(LEASES, members.lease_name("honest", agent.identity.holder)) is None
 
 
 # -- the operator's election Lease ----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -14,6 +15,69 @@ from tasklease_dev import benchdoc, clidoc, specdoc
 
 def test_the_readme_stays_short() -> None:
     assert len((ROOT / "README.md").read_bytes()) <= 12 * 1024, "README.md over 12 KB: move detail into docs/"
+
+
+# -- links ---------------------------------------------------------------------------------------
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "helm" / "tasklease" / "README.md"]
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+_CODE = re.compile(r"(`+).+?\1", re.S)
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """Markdown without its code, where nothing is a link or a heading."""
+    return _CODE.sub("", _FENCE.sub("", text))
+
+
+def anchor(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: its text without markup, lower case, punctuation
+    dropped, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = text.replace("`", "").lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    found: set[str] = set()
+    for heading in _HEADING.findall(_FENCE.sub("", page.read_text())):
+        slug, n = anchor(heading), 0
+        while (slug if n == 0 else f"{slug}-{n}") in found:  # repeated headings get -1, -2...
+            n += 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    found |= set(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", page.read_text()))
+    return found
+
+
+def broken_links(page: Path) -> list[str]:
+    """Every relative link of `page` whose file, or anchor in it, does not exist."""
+    broken = []
+    for target in _LINK.findall(_prose(page.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not ours to check offline
+            continue
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif fragment and file.suffix == ".md" and fragment not in anchors(file):
+            broken.append(f"{target}: no heading #{fragment} in {path or page.name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
+    assert broken_links(page) == []
+
+
+def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path: Path) -> None:
+    (tmp_path / "other.md").write_text("# Other page\n\n## The `make bench` run (once)\n\n## Again\n\n## Again\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md#the-make-bench-run-once) [again](other.md#again-1) [self](#a-title)\n"
+                    "# A title\n[gone](missing.md) [nowhere](other.md#nowhere) [web](https://example.org/x)\n"
+                    "`[code](missing-too.md)`\n```\n[fenced](missing-three.md)\n```\n")
+    assert broken_links(page) == ["missing.md: no such file",
+                                  "other.md#nowhere: no heading #nowhere in other.md"]
 
 
 def test_the_benchmarks_page_is_generated_from_the_result_files() -> None:

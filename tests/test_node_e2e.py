@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ import yaml
 from conftest import ROOT, wait_for
 from tasklease.kube import LEASES, PODS, Kube
 from tasklease.protocol import record
-from tasklease_dev import binaries, images, node
+from tasklease_dev import binaries, dist, images, node
 from tasklease_dev.cluster import LocalCluster, free_port
 
 pytestmark = [pytest.mark.skipif(not os.environ.get("TASKLEASE_E2E"), reason="real pods: run `make e2e`"),
@@ -37,6 +38,8 @@ pytestmark = [pytest.mark.skipif(not os.environ.get("TASKLEASE_E2E"), reason="re
 RELEASE = "tasklease"
 NS = "tasklease-e2e"
 RESTRICTED_NS = "tasklease-e2e-restricted"
+DIST_NS = "tasklease-e2e-dist"
+DIST_RELEASE = "dist"
 AGENTS = "thumbnail-agents"
 QUEUE = "thumbnails"
 CHART = ROOT / "helm" / "tasklease"
@@ -75,10 +78,13 @@ class E2E:
         assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr.strip()}"
         return done.stdout
 
-    def values(self, *, host_network: bool = True) -> list[str]:
+    def values(self, *, host_network: bool = True, metrics_port: int | None = None,
+               dev_image: bool = True) -> list[str]:
         """The chart values for this cluster: on the local node, hostNetwork and loopback only."""
-        # The image `make node` builds (and kind loads): tasklease:dev, not a release's.
-        common = ["--set", f"metrics.port={self.metrics_port}", "--set", "image.tag=dev"]
+        # The image `make node` builds (and kind loads): tasklease:dev; else the chart's own
+        # default, the release's (`make dist`).
+        common = ["--set", f"metrics.port={metrics_port or self.metrics_port}",
+                  *(["--set", "image.tag=dev"] if dev_image else [])]
         if self.apiserver_port is None or not host_network:
             return common
         return common + [
@@ -91,9 +97,14 @@ class E2E:
             "--set", "image.pullPolicy=Never",
         ]
 
-    def agents_manifest(self, *, host_network: bool = True) -> str:
-        """examples/agent-deployment.yaml; on the local node with what the chart's values do for its pods."""
+    def agents_manifest(self, *, host_network: bool = True, drain: bool = False) -> str:
+        """examples/agent-deployment.yaml; on the local node with what the chart's values do for its pods.
+        `drain`: `tasklease run --drain`, so that SIGTERM lets the task running finish."""
         deployment = yaml.safe_load((ROOT / "examples" / "agent-deployment.yaml").read_text())
+        if drain:
+            container = deployment["spec"]["template"]["spec"]["containers"][0]
+            cut = container["args"].index("--")
+            container["args"][cut:cut] = ["--drain", "--grace", "20"]  # within the pod's 30 s
         if self.apiserver_port is not None and host_network:
             pod = deployment["spec"]["template"]["spec"]
             pod["hostNetwork"] = True
@@ -209,11 +220,12 @@ def _read(path: Path) -> str:
 
 def _clean(e2e: E2E) -> None:
     """No namespace, release or CRD of an earlier run (pods first: the node may be going away)."""
-    for namespace in (NS, RESTRICTED_NS):
+    for namespace in (NS, RESTRICTED_NS, DIST_NS):
         e2e.kubectl("delete", "pods", "--all", "-n", namespace, "--force", "--grace-period=0", check=False)
-    e2e.kubectl("delete", "namespace", NS, RESTRICTED_NS, "--ignore-not-found", "--timeout=120s", check=False)
+    e2e.kubectl("delete", "namespace", NS, RESTRICTED_NS, DIST_NS, "--ignore-not-found", "--timeout=120s",
+                check=False)
     e2e.kubectl("delete", "crd", "tasks.tasklease.dev", "--ignore-not-found", "--timeout=60s", check=False)
-    for name in (RELEASE, "restricted"):
+    for name in (RELEASE, "restricted", DIST_RELEASE):
         e2e.kubectl("delete", "clusterrole,clusterrolebinding,validatingadmissionpolicy,"
                     "validatingadmissionpolicybinding", "-l", f"app.kubernetes.io/instance={name}", check=False)
 
@@ -524,6 +536,97 @@ def test_operator_pod_death_loses_nothing_and_completes_nothing_twice(e2e: E2E) 
         assert [a["outcome"] for a in history] == ["Succeeded"], f"{name}: {history}"
 
 
+# -- 6b. scale-down drains --------------------------------------------------------------------------
+
+
+def _watch_exits(e2e: E2E, selector: str) -> tuple[subprocess.Popen[str], dict[str, int]]:
+    """Follow the pods of `selector` (a watch: a pod's last status, its containers' exit codes,
+    is written before the pod goes), into {pod: exit code}."""
+    watcher = subprocess.Popen([str(binaries.ensure_kubectl()), f"--kubeconfig={e2e.kubeconfig}", "get", "pods",
+                                "-n", NS, "-l", selector, "--watch", "--output-watch-events", "-o", "json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    exits: dict[str, int] = {}
+
+    def follow() -> None:
+        assert watcher.stdout is not None
+        decoder, buffer = json.JSONDecoder(), ""
+        for line in watcher.stdout:
+            buffer += line
+            try:
+                event, end = decoder.raw_decode(buffer.lstrip())
+            except ValueError:
+                continue
+            buffer = buffer.lstrip()[end:]
+            pod = event["object"]
+            for status in pod.get("status", {}).get("containerStatuses", []):
+                if "terminated" in status.get("state", {}):
+                    exits[pod["metadata"]["name"]] = status["state"]["terminated"]["exitCode"]
+
+    threading.Thread(target=follow, daemon=True).start()
+    return watcher, exits
+
+
+def test_scale_down_drains_the_agents_and_scale_up_resumes(e2e: E2E) -> None:
+    """Issue 34 item 4: the example agents (`tasklease run --drain`) scaled to zero with tasks
+    in flight claim no more, finish what they run within the grace period and exit 0, and no
+    task is expired or requeued; scaled back up, they take the rest."""
+    selector = f"app.kubernetes.io/name={AGENTS}"
+    if not e2e.ready_pods(NS, OPERATOR_SELECTOR):  # run alone (`-k drain`)
+        _install(e2e)
+        wait_for(lambda: e2e.ready_pods(NS, OPERATOR_SELECTOR), timeout=180, interval=0.5,
+                 message="the operator pod to be Ready")
+    e2e.kubectl("apply", "-n", NS, "-f", "-", input=e2e.agents_manifest(drain=True))
+    e2e.kubectl("rollout", "status", f"deployment/{AGENTS}", "-n", NS, "--timeout=180s")
+    pods = wait_for(lambda: len(p := e2e.ready_pods(NS, selector)) == 3 and p, timeout=180, interval=0.5,
+                    message="3 draining agent pods Ready")
+    assert all("--drain" in p["spec"]["containers"][0]["args"] for p in pods)
+    names = [f"drained-{i}" for i in range(9)]  # 3 agents, tasks of 5 s: some still wait at the scale-down
+    e2e.apply_tasks(*names)
+
+    def running() -> list[str]:
+        return [t["metadata"]["name"] for t in e2e.json("tasks", "-n", NS)["items"]
+                if t["metadata"]["name"] in names and t.get("status", {}).get("phase") == "Running"]
+    wait_for(lambda: len(running()) == 3, timeout=120, interval=0.2, message="3 tasks in flight, one per agent")
+    watcher, exits = _watch_exits(e2e, selector)
+    try:
+        started = time.monotonic()
+        e2e.kubectl("scale", f"deployment/{AGENTS}", "-n", NS, "--replicas=0")
+        in_flight = running()
+        assert in_flight, "no task in flight at the scale-down"
+        wait_for(lambda: not e2e.json("pods", "-n", NS, "-l", selector)["items"], timeout=60, interval=0.2,
+                 message="every agent pod gone")
+        gone_s = time.monotonic() - started
+        wait_for(lambda: len(exits) == 3, timeout=10, interval=0.1, message="the exit codes of the 3 agents")
+    finally:
+        watcher.terminate()
+        watcher.wait(10)
+    assert exits == {p["metadata"]["name"]: 0 for p in pods}, exits
+    assert gone_s < 25, f"the agents took {gone_s:.1f}s to go: they did not exit within their grace period"
+    e2e.figures["scale-down drain, agents gone"] = (f"{gone_s:.1f}s of a 30s grace period "
+                                                    f"({len(in_flight)} tasks of 5s in flight)")
+    wait_for(lambda: not running(), timeout=30, interval=0.2, message="the drained tasks projected finished")
+    waiting = []
+    for name in names:  # each finished once by the agent that had it, or never claimed: nothing expired or left
+        status = e2e.task(name).get("status", {})
+        outcomes = [a["outcome"] for a in status.get("history", [])]
+        if status.get("phase", "Pending") == "Pending" and not outcomes:
+            waiting.append(name)
+        else:
+            assert status["phase"] == "Succeeded" and outcomes == ["Succeeded"], f"{name}: {status}"
+    assert waiting and not set(waiting) & set(in_flight), (waiting, in_flight)
+
+    e2e.kubectl("scale", f"deployment/{AGENTS}", "-n", NS, "--replicas=3")
+    wait_for(lambda: len(e2e.ready_pods(NS, selector)) == 3, timeout=180, interval=0.5,
+             message="3 agents back")
+    wait_for(lambda: all(e2e.phase(n) == "Succeeded" for n in waiting), timeout=180, interval=1,
+             message="the waiting tasks taken once the agents came back")
+    for name in names:
+        history = e2e.task(name)["status"]["history"]
+        assert [a["outcome"] for a in history] == ["Succeeded"], f"{name}: {history}"
+    logs = e2e.operator_logs()
+    assert not [n for n in names if f"{n}: expired attempt" in logs], logs[-3000:]
+
+
 # -- 7. a namespace enforcing Pod Security `restricted` ----------------------------------------------
 
 
@@ -602,6 +705,45 @@ def test_uninstall_keeps_the_crd_and_tasks_and_nothing_else(e2e: E2E) -> None:
     assert [f"{o['kind']}/{o['metadata']['name']}" for o in left
             if not o["metadata"].get("deletionTimestamp")] == []  # a pod still terminating counts as gone
     wait_for(lambda: not e2e.json("pods", "-n", NS)["items"], timeout=60, interval=0.5, message="no pod left")
+
+
+# -- 10. a release as users get it: dist/ -------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(EXTERNAL), reason="imports the image into the local node's containerd")
+def test_the_release_from_dist_installs_and_passes_helm_test(e2e: E2E, tmp_path: Path) -> None:
+    """Issue 35: the chart packaged by `make dist` installs with the image `make dist` built
+    (its OCI archive, imported into the node's containerd: no registry), and its `helm test`
+    hook (the operator Ready, a Task round-trip) passes in the cluster."""
+    assert e2e.node is not None
+    out = tmp_path / "dist"
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "tasklease_dev.dist", "--out", str(out)], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, timeout=1800)
+    e2e.figures["make dist"] = f"{time.monotonic() - t0:.1f}s"
+    release = dist.version()
+    (chart,) = out.glob(f"tasklease-{release}.tgz")
+    (image,) = out.glob(f"tasklease-image-{release}.oci.tar")
+    sums = dict(reversed(line.split("  ")) for line in (out / "SHA256SUMS").read_text().splitlines())
+    assert sums[chart.name] == dist._sha256(chart) and sums[image.name] == dist._sha256(image)
+    e2e.node.import_image(image)
+
+    e2e.kubectl("create", "namespace", DIST_NS, check=False)
+    # The chart's default image (tasklease:<appVersion>), never pulled; CRD taken over from an
+    # earlier release of this run, which keeps it on uninstall.
+    e2e.helm("install", DIST_RELEASE, str(chart), "-n", DIST_NS, "--take-ownership", "--wait", "--timeout=300s",
+             *e2e.values(metrics_port=free_port(), dev_image=False))
+    operator = wait_for(lambda: e2e.ready_pods(DIST_NS, f"app.kubernetes.io/instance={DIST_RELEASE},"
+                                                        "app.kubernetes.io/component=operator"),
+                        timeout=180, interval=0.5, message="the release's operator Ready")
+    assert operator[0]["spec"]["containers"][0]["image"] == f"tasklease:{release}"
+    t0 = time.monotonic()
+    tested = e2e.helm("test", DIST_RELEASE, "-n", DIST_NS, "--logs", "--timeout=300s")
+    e2e.figures["helm test"] = f"{time.monotonic() - t0:.1f}s"
+    assert "Phase:          Succeeded" in tested or "Phase: Succeeded" in " ".join(tested.split()), tested
+    assert "round-tripped" in tested and "is ready" in tested, tested
+    e2e.helm("uninstall", DIST_RELEASE, "-n", DIST_NS, "--wait")
+    e2e.kubectl("delete", "namespace", DIST_NS, "--timeout=120s")
 
 
 # -- loopback only, and nothing left -----------------------------------------------------------------

@@ -139,7 +139,7 @@ class LocalNode:
             state.pids["containerd"] = self._start_containerd()
             self._write_state(state)
             for archive in archives:
-                self._ctr("images", "import", str(archive))
+                self.import_image(archive)
             credentials = self._credentials(cluster, name)
             state.pids["kubelet"] = self._start_kubelet(bins.kubelet, state, credentials["node"])
             self._write_state(state)
@@ -179,6 +179,11 @@ class LocalNode:
             _remove(leak)
         _restore_sysctls(self.workdir / _SYSCTL_FILE)
         _remove(self.workdir)
+
+    def import_image(self, archive: Path) -> None:
+        """Load an image archive (docker-archive or OCI) into the node's containerd: its pods
+        run it with `imagePullPolicy: Never`, no registry."""
+        self._ctr("images", "import", str(archive))
 
     # -- containerd -----------------------------------------------------------------
 

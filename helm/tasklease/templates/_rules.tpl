@@ -88,3 +88,11 @@
   verbs:
   - get
 {{- end }}
+{{- define "tasklease.agentLeaveRules" }}
+- apiGroups:
+  - coordination.k8s.io
+  resources:
+  - leases
+  verbs:
+  - delete
+{{- end }}

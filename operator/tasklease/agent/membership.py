@@ -4,7 +4,8 @@ Written at once on joining, then every third of its duration (liveness); when we
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
 operator did not project; at once for a theft, when a peer joins, when we move to a lower
 band or are held back from one, if there is anything to tell; every `TELL_MAX` untold
-claims. Left on `close`, telling what is left to tell, then deleted.
+claims. On `close`, it tells what is left to tell, then is deleted (or, where the agent may
+not delete it, says the agent left).
 """
 
 from __future__ import annotations
@@ -143,8 +144,12 @@ class Membership:
                     self._wake.wait(due)
                 stopping = self._stopping
                 told, claiming = self._next(leaving=stopping)
+            if stopping and last == -math.inf:  # never written: our peers never counted us
+                return
             try:
-                if not self._lease.write(told, 0 if stopping else self._holding(), claiming=claiming, left=stopping):
+                # Leaving, the last write tells and still names us: it is what proves the Lease
+                # ours when we delete it (the admission policy).
+                if not self._lease.write(told, 0 if stopping else self._holding(), claiming=claiming):
                     log.warning("Lease %s is not a member Lease (a Task of that name?): this agent works "
                                 "without telling its peers, who may race it more", self._lease.name)
                     return
@@ -158,9 +163,19 @@ class Membership:
                     self._untold = {**dict.fromkeys(told), **self._untold}
                 not_before = time.monotonic() + _RETRY_S
             if stopping:
-                try:
-                    if not self._lease.delete():
-                        log.info("member Lease %s says this agent left; it may not delete it", self._lease.name)
-                except errors.TaskleaseError as exc:
-                    log.warning("could not delete member Lease %s: %s", self._lease.name, exc)
+                self._leave()
                 return
+
+    def _leave(self) -> None:
+        """Delete our member Lease: our peers stop counting us at once. Where we may not (a role
+        without the admission policy has no delete), or cannot now, say we left instead."""
+        try:
+            if self._lease.delete():
+                return
+            log.info("member Lease %s: this agent may not delete it; it says the agent left", self._lease.name)
+        except errors.TaskleaseError as exc:
+            log.warning("could not delete member Lease %s: %s", self._lease.name, exc)
+        try:
+            self._lease.write([], 0, left=True)
+        except errors.TaskleaseError as exc:  # our peers stop counting us after DURATION_S
+            log.warning("could not say in member Lease %s that this agent left: %s", self._lease.name, exc)

@@ -142,9 +142,9 @@ class MemberLease:
         return True
 
     def delete(self) -> bool:
-        """Delete our member Lease (after `write(..., left=True)`: peers that miss the deletion
-        saw us leave). False when we may not (the agent's role allows no deletes): it then
-        stays, saying we left, until our Pod goes."""
+        """Delete our member Lease, conditional on our last write, which named us (the admission
+        policy lets an agent delete only its own). False when we may not (a role without
+        deletes): the caller then says we left (`write(..., left=True)`)."""
         if not self._version:
             return True
         try:

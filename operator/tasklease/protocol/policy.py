@@ -9,6 +9,8 @@ when the checked-in chart file is stale. docs/security.md says what the policy g
 The policy matches requests by who sends them (the agents' ServiceAccount), never by a label
 of the Lease, which its writer controls. An agent writes two kinds of Lease: a task's Lease
 (claim, renew, end) and its own member Lease (`members`); anything else it writes is refused.
+It deletes only its own member Lease, when it leaves its queue (a second policy: a delete has
+no new object to judge).
 CEL cannot read the Task, so what needs the Task (its queue, its uid, `spec.notBefore`) is
 checked where the Task is known: by the operator (docs/security.md).
 """
@@ -131,12 +133,17 @@ _TASK_REF = f"{models.GROUP}/{models.VERSION}"
 _QUEUE_MAX = _bound(models.TaskSpec, "queue", "max_length")
 
 
+# The Pod the request's token is bound to: the agent, as the API server knows it.
+_POD = ("'authentication.kubernetes.io/pod-name' in request.userInfo.extra ? "
+        "request.userInfo.extra['authentication.kubernetes.io/pod-name'][0] : ''")
+_POD_UID = ("'authentication.kubernetes.io/pod-uid' in request.userInfo.extra ? "
+            "request.userInfo.extra['authentication.kubernetes.io/pod-uid'][0] : ''")
+
+
 def variables() -> list[dict[str, str]]:
     v = [
-        ("pod", "'authentication.kubernetes.io/pod-name' in request.userInfo.extra ? "
-                "request.userInfo.extra['authentication.kubernetes.io/pod-name'][0] : ''"),
-        ("podUid", "'authentication.kubernetes.io/pod-uid' in request.userInfo.extra ? "
-                   "request.userInfo.extra['authentication.kubernetes.io/pod-uid'][0] : ''"),
+        ("pod", _POD),
+        ("podUid", _POD_UID),
         ("labels", "has(object.metadata.labels) ? object.metadata.labels : {}"),
         ("oldLabels", "oldObject != null && has(oldObject.metadata.labels) ? oldObject.metadata.labels : {}"),
         ("ann", "has(object.metadata.annotations) ? object.metadata.annotations : {}"),
@@ -179,6 +186,12 @@ class _Dumper(yaml.SafeDumper):
 
 _Dumper.add_representer(_Cel, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", str(value),
                                                                             style="|"))
+
+
+# Who writes, never what the Lease says: every Lease write and delete of an agent is judged.
+_FROM_AN_AGENT: Final = [{"name": "from-an-agent", "expression": _Cel(
+    "request.userInfo.username.startsWith('system:serviceaccount:') && "
+    f"request.userInfo.username.endsWith(':{_AGENT_SA}')")}]
 
 
 def _validation(expression: str, message: str) -> dict[str, str]:
@@ -330,10 +343,7 @@ def policy_spec() -> dict[str, Any]:
         "matchConstraints": {"resourceRules": [{
             "apiGroups": ["coordination.k8s.io"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
             "resources": ["leases"]}]},
-        # Who writes, never what the Lease says: every Lease write of an agent is judged.
-        "matchConditions": [{"name": "from-an-agent", "expression": _Cel(
-            "request.userInfo.username.startsWith('system:serviceaccount:') && "
-            f"request.userInfo.username.endsWith(':{_AGENT_SA}')")}],
+        "matchConditions": _FROM_AN_AGENT,
         "variables": variables(),
         "validations": [*_common(), *_task(), *_member()],
     }
@@ -371,58 +381,81 @@ def operator_policy_spec() -> dict[str, Any]:
     }
 
 
-def render() -> str:
-    body = yaml.dump({"spec": policy_spec()}, Dumper=_Dumper, sort_keys=False, width=100_000)
+def delete_policy_spec() -> dict[str, Any]:
+    """An agent's deletes (its role has `delete` on Leases only beside this policy): of its own
+    member Lease, when it leaves its queue, and of nothing else. A task's Lease is never
+    deleted by an agent: that would reset the fencing epoch. "Its own" is what the API server
+    can tell: held in the name of the Pod its token is bound to, as every write of it is; or,
+    once it said it left (no holder), owned by that Pod (name and uid), which only that Pod
+    could have written (the ownerReferences of a member Lease never change)."""
+    agent_of = members.LABEL_AGENT_OF
+    old = [
+        ("pod", _POD),
+        ("podUid", _POD_UID),
+        ("labels", "has(oldObject.metadata.labels) ? oldObject.metadata.labels : {}"),
+        ("owners", "has(oldObject.metadata.ownerReferences) ? oldObject.metadata.ownerReferences : []"),
+        ("holder", "has(oldObject.spec.holderIdentity) ? oldObject.spec.holderIdentity : ''"),
+    ]
+    return {
+        "failurePolicy": "Fail",
+        "matchConstraints": {"resourceRules": [{
+            "apiGroups": ["coordination.k8s.io"], "apiVersions": ["v1"], "operations": ["DELETE"],
+            "resources": ["leases"]}]},
+        "matchConditions": _FROM_AN_AGENT,
+        "variables": [{"name": name, "expression": _Cel(expr)} for name, expr in old],
+        "validations": [
+            _validation("variables.pod != ''", "tasklease agents must authenticate with a token bound to their Pod"),
+            _validation(f"{_str(agent_of)} in variables.labels && "
+                        f"!({_str(record.LABEL_MANAGED)} in variables.labels) && "
+                        f"oldObject.metadata.name.matches({_raw(MEMBER_NAME)})",
+                        "an agent deletes only its own member Lease: a task's Lease is never deleted "
+                        "(that would reset its fencing epoch), nor any other Lease"),
+            _validation("variables.holder != '' ? variables.holder.startsWith(variables.pod + '/') : "
+                        "(size(variables.owners) == 1 && variables.owners[0].kind == 'Pod' && "
+                        "variables.owners[0].name == variables.pod && variables.owners[0].uid == variables.podUid)",
+                        "an agent deletes only its own member Lease: held in its own pod's name, or, once left, "
+                        "owned by its own Pod"),
+        ],
+    }
+
+
+def _document(name: str, spec: dict[str, Any]) -> str:
+    """A policy and its binding, named `<release>-<name>`."""
+    body = yaml.dump({"spec": spec}, Dumper=_Dumper, sort_keys=False, width=100_000)
     if "{{" in body or "}}" in body:
         raise ValueError("the policy's text must not contain Helm's delimiters")
     body = (body.replace(_RELEASE_NAMESPACE, "{{ .Release.Namespace }}")
-            .replace(_AGENT_SA, "{{ .Values.agents.serviceAccountName }}"))
-    return (
-        _HEADER
-        + "{{- if .Values.agents.enforceProtocol }}\n"
-        + "apiVersion: admissionregistration.k8s.io/v1\n"
-        + "kind: ValidatingAdmissionPolicy\n"
-        + "metadata:\n"
-        + "  name: {{ .Release.Name }}-agent-protocol\n"
-        + '  labels: {{- include "tasklease.labels" . | nindent 4 }}\n'
-        + body
-        + "---\n"
-        + "apiVersion: admissionregistration.k8s.io/v1\n"
-        + "kind: ValidatingAdmissionPolicyBinding\n"
-        + "metadata:\n"
-        + "  name: {{ .Release.Name }}-agent-protocol\n"
-        + '  labels: {{- include "tasklease.labels" . | nindent 4 }}\n'
-        + "spec:\n"
-        + "  policyName: {{ .Release.Name }}-agent-protocol\n"
-        + "  validationActions: [Deny]\n"
-        + "---\n"
-        + _operator_policy()
-        + "{{- end }}\n"
-    )
-
-
-def _operator_policy() -> str:
-    body = yaml.dump({"spec": operator_policy_spec()}, Dumper=_Dumper, sort_keys=False, width=100_000)
-    if "{{" in body or "}}" in body:
-        raise ValueError("the policy's text must not contain Helm's delimiters")
-    body = (body.replace(_RELEASE_NAMESPACE, "{{ .Release.Namespace }}")
+            .replace(_AGENT_SA, "{{ .Values.agents.serviceAccountName }}")
             .replace(_OPERATOR_SA, '{{ include "tasklease.fullname" . }}'))
     return (
         "apiVersion: admissionregistration.k8s.io/v1\n"
         + "kind: ValidatingAdmissionPolicy\n"
         + "metadata:\n"
-        + "  name: {{ .Release.Name }}-operator-renew\n"
+        + f"  name: {{{{ .Release.Name }}}}-{name}\n"
         + '  labels: {{- include "tasklease.labels" . | nindent 4 }}\n'
         + body
         + "---\n"
         + "apiVersion: admissionregistration.k8s.io/v1\n"
         + "kind: ValidatingAdmissionPolicyBinding\n"
         + "metadata:\n"
-        + "  name: {{ .Release.Name }}-operator-renew\n"
+        + f"  name: {{{{ .Release.Name }}}}-{name}\n"
         + '  labels: {{- include "tasklease.labels" . | nindent 4 }}\n'
         + "spec:\n"
-        + "  policyName: {{ .Release.Name }}-operator-renew\n"
+        + f"  policyName: {{{{ .Release.Name }}}}-{name}\n"
         + "  validationActions: [Deny]\n"
+    )
+
+
+def render() -> str:
+    return (
+        _HEADER
+        + "{{- if .Values.agents.enforceProtocol }}\n"
+        + _document("agent-protocol", policy_spec())
+        + "---\n"
+        + _document("agent-leave", delete_policy_spec())
+        + "---\n"
+        + _document("operator-renew", operator_policy_spec())
+        + "{{- end }}\n"
     )
 
 
