@@ -1,18 +1,18 @@
 """A queue's open Tasks read best first, a few pages at a time: strict priority without reading the queue.
 
-The one-shot claim (`tasklease claim`) keeps no index: it must find the highest band from the
+The one-shot claim (`tasklease claim`) keeps no index: it must learn the highest band from the
 API server. Field selectors only compare for equality, but label selectors compare integers
-(`key>N`, `key<N`), so producers label each Task with its rank (`LABEL_RANK`: the priority plus
-`OFFSET`, as a label value cannot be negative), and a few short LISTs climb to the top band
-(`_top`). The label is a hint and nothing more: tasks are ranked by the `spec.priority` of the
-objects read, and the claim checks the Task and its Lease as always. A task without the label
-(created by hand, say) is read whole, every time (`!rank`); one whose label is no rank (no integer, or
-above the highest priority) is left to the watching agents.
+(`key>N`, `key<N`) and select by sets (`key notin (...)`, which also selects objects without
+the key), so producers label each Task with its rank (`LABEL_RANK`: the priority plus `OFFSET`,
+as a label value cannot be negative). The label is a hint and nothing more: a task without it
+(created by hand) or with a label that is no rank is read whole and ranked by its
+`spec.priority`, tasks are ordered by the `spec.priority` of the objects read, and the claim
+checks the Task and its Lease as always. A priority changed after creation keeps the rank it
+was created with, for this path only.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from typing import Final
 
@@ -52,23 +52,40 @@ def best_key(task: JSON) -> tuple[int, str, str]:
 
 def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) -> Iterator[JSON]:
     """The Tasks `field_selector` selects, highest priority first (strict across the queue),
-    oldest first within what one page of a band shows; read lazily, band by band, a page at a
-    time: a caller that stops at the first task it can claim reads a few short pages."""
-    loose = deque(sorted((task for listed in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
-                                                       label_selector=f"!{LABEL_RANK}", limit=page)
-                          for task in listed.get("items", [])), key=best_key))
-    ceiling: int | None = None  # the bands left are below this rank
+    oldest first within what a page of a band shows; read lazily, band by band, a page at a
+    time. A caller that stops at the first task it can claim makes two LISTs: the first page,
+    and one that finds whatever could go before the best band of that page (a higher rank, or
+    a label that is no rank: `notin` selects those without the label too), usually none."""
+    def listed(labels: str) -> Iterator[JSON]:
+        for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
+                                     label_selector=labels, limit=page):
+            yield from found.get("items", [])
+
+    first = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page).get("items", [])
+    if not first:
+        return
+    seen = max(_rank_of(task) for task in first)  # the bands up to this one are partly read
+    pool = {task["metadata"]["name"]: task for task in first}
+    pool.update((task["metadata"]["name"], task)
+                for task in listed(f"{LABEL_RANK} notin ({','.join(map(str, range(seen + 1)))})"))
+    ceiling = _CAP  # the bands left are below this rank
     while True:
-        top = _top(kube, namespace=namespace, field_selector=field_selector, page=page, below=ceiling)
-        # The unlabelled ones of this band or a higher one come first.
-        while loose and (top is None or -best_key(loose[0])[0] + OFFSET >= top):
-            yield loose.popleft()
-        if top is None:
+        band = max((r for r in map(_rank_of, pool.values()) if r < ceiling), default=None)
+        if ceiling <= seen:  # labelled tasks below the first page's best band were not read
+            labelled = _top(kube, namespace=namespace, field_selector=field_selector, page=page, below=ceiling)
+            band = max((r for r in (band, labelled) if r is not None), default=None)
+        if band is None:
             return
-        for listed in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
-                                      label_selector=f"{LABEL_RANK}={top}", limit=page):
-            yield from sorted(listed.get("items", []), key=best_key)
-        ceiling = top
+        given = set()
+        for task in sorted((t for t in pool.values() if _rank_of(t) == band), key=best_key):
+            given.add(task["metadata"]["name"])
+            yield task
+        if band <= seen:
+            for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
+                                         label_selector=f"{LABEL_RANK}={band}", limit=page):
+                yield from sorted((t for t in found.get("items", []) if t["metadata"]["name"] not in given),
+                                  key=best_key)
+        ceiling = band
 
 
 def _top(kube: Kube, *, namespace: str, field_selector: str, page: int, below: int | None) -> int | None:
@@ -85,6 +102,18 @@ def _top(kube: Kube, *, namespace: str, field_selector: str, page: int, below: i
             return best
         best = max(higher)
         selector = f"{LABEL_RANK}>{best},{bound}"
+
+
+def _rank_of(task: JSON) -> int:
+    """Its rank label when that is a rank, else the rank of its `spec.priority`."""
+    try:
+        labelled = int(((task.get("metadata") or {}).get("labels") or {}).get(LABEL_RANK, ""))
+    except ValueError:
+        labelled = -1
+    if 0 <= labelled < _CAP:
+        return labelled
+    priority = (task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)
+    return priority + OFFSET if isinstance(priority, int) else OFFSET
 
 
 def _int(task: JSON) -> int | None:
