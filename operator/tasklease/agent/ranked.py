@@ -2,13 +2,13 @@
 
 The one-shot claim (`tasklease claim`) keeps no index: it must learn the highest band from the
 API server. Field selectors only compare for equality, but label selectors compare integers
-(`key>N`, `key<N`) and select by sets (`key notin (...)`, which also selects objects without
-the key), so producers label each Task with its rank (`LABEL_RANK`: the priority plus `OFFSET`,
-as a label value cannot be negative). The label is a hint and nothing more: a task without it
-(created by hand) or with a label that is no rank is read whole and ranked by its
-`spec.priority`, tasks are ordered by the `spec.priority` of the objects read, and the claim
-checks the Task and its Lease as always. A priority changed after creation keeps the rank it
-was created with, for this path only.
+(`key>N`, `key<N`) and select objects without a key (`!key`), so producers label each Task
+with its rank (`LABEL_RANK`: the priority plus `OFFSET`, as a label value cannot be negative).
+The label is a hint and nothing more: a task without it (created by hand) is read whole and
+ranked by its `spec.priority`, tasks are ordered by the `spec.priority` of the objects read,
+and the claim checks the Task and its Lease as always. A task whose label is no integer is
+left to the watching agents; a priority changed after creation keeps the rank it was created
+with, for this path only.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def best_key(task: JSON) -> tuple[int, str, str]:
 def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) -> Iterator[JSON]:
     """The Tasks `field_selector` selects, highest priority first (strict across the queue),
     oldest first within what a page of a band shows; read lazily, band by band, a page at a
-    time. A caller that stops at the first task it can claim makes two LISTs: the first page,
-    and one that finds whatever could go before the best band of that page (a higher rank, or
-    a label that is no rank: `notin` selects those without the label too), usually none."""
+    time. A caller that stops at the first task it can claim makes three LISTs: the first page,
+    and two that find whatever could go before the best band of that page (no label, or a
+    higher rank), usually nothing."""
     def listed(labels: str) -> Iterator[JSON]:
         for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
                                      label_selector=labels, limit=page):
@@ -66,8 +66,11 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) ->
         return
     seen = max(_rank_of(task) for task in first)  # the bands up to this one are partly read
     pool = {task["metadata"]["name"]: task for task in first}
-    pool.update((task["metadata"]["name"], task)
-                for task in listed(f"{LABEL_RANK} notin ({','.join(map(str, range(seen + 1)))})"))
+    # Two LISTs find every task that could go before the first page's best band: those without
+    # the label, and those of a higher rank (a `notin` of every lower rank would be one LIST,
+    # but the API server matches a set value by value, object by object).
+    for labels in (f"!{LABEL_RANK}", f"{LABEL_RANK}>{seen}"):
+        pool.update((task["metadata"]["name"], task) for task in listed(labels))
     ceiling = _CAP  # the bands left are below this rank
     while True:
         band = max((r for r in map(_rank_of, pool.values()) if r < ceiling), default=None)
