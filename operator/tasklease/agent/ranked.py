@@ -69,7 +69,8 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) ->
     # Two LISTs find every task that could go before the first page's best band: those without
     # the label, and those of a higher rank (a `notin` of every lower rank would be one LIST,
     # but the API server matches a set value by value, object by object).
-    for labels in (f"!{LABEL_RANK}", f"{LABEL_RANK}>{seen}"):
+    higher = [f"{LABEL_RANK}>{seen}"] if seen < _CAP - 1 else []  # none above the highest priority
+    for labels in (f"!{LABEL_RANK}", *higher):
         pool.update((task["metadata"]["name"], task) for task in listed(labels))
     ceiling = _CAP  # the bands left are below this rank
     while True:
