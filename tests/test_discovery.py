@@ -19,7 +19,7 @@ from tasklease.agent.candidates import CandidateIndex
 from tasklease.agent.compact import compact, expand
 from tasklease.agent.discovery import QueueView
 from tasklease.agent.division import Owner, divide, owned_weight, owner, weight
-from tasklease.api import errors
+from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.kube.watching import Reflector
@@ -500,3 +500,46 @@ def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_is_held_ba
         wait_for(lambda: any("b-3" in m.took for m in said), message="the claim told when held back")
         assert next(m for m in said if "b-3" in m.took).claiming
         assert member.writes.told == 2
+
+
+def test_a_member_whose_lease_the_operator_expired_is_no_peer_until_it_writes_again(kube: Kube) -> None:
+    """A task freed because its holder went silent is divided among the members left at once,
+    not left to the silent one until its member Lease lapses (a replacement agent with a new
+    name would wait that long); a member that lives after all is a peer again at its next write."""
+    view = QueueView(kube, namespace="ns", queue="q")  # fed by hand below: never started
+    dead, me = "dead/x", "me/x"
+
+    def said(holder: str) -> dict[str, Any]:
+        return {"metadata": {"name": members.lease_name("q", holder),
+                             "annotations": {members.ANN_CLAIMING: "true", members.ANN_HOLDING: "1"}},
+                "spec": {"holderIdentity": holder}}
+    view._on_member("ADDED", said(dead))
+    name = next(n for n in (f"t-{i}" for i in range(50)) if owner([dead, me], n)[1] == dead)
+    view._on_task("ADDED", {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+                            "spec": {"queue": "q"}, "status": {"attempt": 1}})
+    expired = LeaseRecord(name=name, namespace="ns", queue="q", owner_uid=f"uid-{name}", epoch=1,
+                          resource_version="7", history=(models.Attempt(attempt=1, holder=dead, outcome="Expired"),))
+    generation = view.generation()
+    view._on_lease("ADDED", record.encode(expired))
+    assert view.generation() > generation
+    candidates, division = view.choose(me, now_utc(), window=8)
+    assert [t.name for t, _ in candidates] == [name] and division.ours == 1  # ours: the silent one is no peer
+    view._on_member("MODIFIED", said(dead))  # it lives after all
+    candidates, division = view.choose(me, now_utc(), window=8)
+    assert [t.name for t, _ in candidates] == [name] and division.ours == 0  # its own again
+
+
+def test_a_lease_freed_otherwise_leaves_its_last_holder_a_peer(kube: Kube) -> None:
+    view = QueueView(kube, namespace="ns", queue="q")  # fed by hand below: never started
+    peer, me = "peer/x", "me/x"
+    view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", peer)}, "spec": {"holderIdentity": peer}})
+    name = next(n for n in (f"t-{i}" for i in range(50)) if owner([peer, me], n)[1] == peer)
+    view._on_task("ADDED", {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+                            "spec": {"queue": "q"}, "status": {"attempt": 1}})
+    failed = LeaseRecord(name=name, namespace="ns", queue="q", owner_uid=f"uid-{name}", epoch=1,
+                         resource_version="7", history=(models.Attempt(attempt=1, holder=peer, outcome="Failed"),))
+    view._on_lease("ADDED", record.encode(failed))
+    candidates, division = view.choose(me, now_utc(), window=8)
+    assert [t.name for t, _ in candidates] == [name] and division.ours == 0

@@ -43,6 +43,7 @@ _SPREAD_PER_HOLDER = 8
 # says it claims (one write, one watch event), but claimed by creating its Lease, which no
 # watch of ours shows. (A claim of a free Lease reaches us at once: the Lease leaves our watch.)
 _RIPE_S = 1.5
+_EXPIRED = "Expired"  # the outcome of an attempt whose holder the operator found silent (`Protocol.expire`)
 _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
@@ -372,12 +373,29 @@ class QueueView:
                 if name in self._tasks:
                     self._taken[name] = ""
             else:
+                freed = name not in self._leases
                 self._leases[name] = rec
                 if history:
                     self._histories[name] = history
                 else:
                     self._histories.pop(name, None)
+                if freed and history:
+                    self._forget_expired(history)
             self._judge(name, self._now())
+
+    def _forget_expired(self, history: str) -> None:
+        """Caller holds the lock. A Lease just freed by the operator's expiry of its last
+        attempt: that holder stopped renewing, most likely dead. Counted until its member Lease
+        lapses, it would keep its share of the queue, this task included, for that long; it is
+        forgotten now, and its next member write, if it lives after all, brings it back (a
+        false report costs races, never a rule: the claim checks the Lease)."""
+        attempts = record.decode_history(history)
+        if not attempts or attempts[-1].outcome != _EXPIRED:
+            return
+        gone = attempts[-1].holder
+        for key in [k for k, m in self._members.items() if m.holder == gone]:
+            del self._members[key]
+            self._bump()  # the tasks are divided anew
 
     def _on_member(self, kind: str, obj: JSON) -> None:
         member = members.decode(obj)

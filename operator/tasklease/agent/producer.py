@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasklease.agent.ranked import labelled
 from tasklease.api import errors, models
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.protocol import Protocol, TaskView
@@ -96,7 +97,7 @@ class Producer:
         """Create the Task object `obj` (as read from YAML), idempotently by name."""
         namespace = (obj.get("metadata") or {}).get("namespace") or self.namespace
         try:
-            return Task.of(self.kube.create(TASKS, obj, namespace=namespace))
+            return Task.of(self.kube.create(TASKS, labelled(obj), namespace=namespace))
         except errors.Conflict:
             name = (obj.get("metadata") or {}).get("name") or ""
             existing = self.kube.get(TASKS, name, namespace=namespace)

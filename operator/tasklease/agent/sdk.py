@@ -34,25 +34,17 @@ from tasklease.agent.discovery import Candidate, QueueView, task_selector
 from tasklease.agent.division import Division, Owner, weight
 from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
+from tasklease.agent.ranked import best_first
 from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
 from tasklease.api import errors, models
-from tasklease.kube import JSON, LEASES, TASKS, Kube
+from tasklease.kube import LEASES, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record
 from tasklease.protocol.members import MemberLease
 
 __all__ = ["Agent", "AgentSettings", "ClaimedTask", "Identity", "instance_gone"]
 
 log = logging.getLogger(__name__)
-
-_DEFAULT_PRIORITY = int(models.TaskSpec.model_fields["priority"].default)
-
-
-def _rank(task: JSON) -> tuple[int, str, str]:
-    """Best first: higher priority, then older."""
-    meta = task["metadata"]
-    return (-int((task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)), meta.get("creationTimestamp", ""),
-            meta["name"])
 
 
 class Agent:
@@ -189,11 +181,11 @@ class Agent:
             view.wait_for_change(since, wait)
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
-        """One look, no watch, for the stateless CLI: the queue's open Tasks are read a page at a
-        time, best first within a page, and the first one that can be claimed is; the rest of
-        the queue is never read. A task projected Running is skipped without a read (a task
-        freed a moment ago is found by the next claim); a never-claimed one is claimed by
-        creating its Lease, any other after reading its Lease.
+        """One look, no watch, for the stateless CLI: the queue's open Tasks are read best first,
+        strict priority across the queue (`ranked`: a few short pages of its highest band), and
+        the first one that can be claimed is; the rest of the queue is never read. A task
+        projected Running is not read (a task freed a moment ago is found by the next claim); a
+        never-claimed one is claimed by creating its Lease, any other after reading its Lease.
 
         A task due within what this process cannot yet tell of the server's clock (a new
         process has read few whole-second `Date`s) may be due already: one more look then."""
@@ -213,33 +205,31 @@ class Agent:
         becomes due (None: none is waiting for a time)."""
         soonest: datetime | None = None
         now = self.kube.now()
-        for page in self.kube.list_pages(TASKS, namespace=self.namespace, field_selector=task_selector(queue),
-                                         limit=self.settings.cli_page):
-            # Ranked from the raw objects: only the ones tried are validated into TaskViews.
-            for obj in sorted(page.get("items", []), key=_rank):
-                if (obj.get("status") or {}).get("phase") == models.Phase.RUNNING.value:
+        # Not projected Running: a task freed a moment ago is found by the next claim.
+        selector = f"{task_selector(queue)},status.phase!={models.Phase.RUNNING.value}"
+        for obj in best_first(self.kube, namespace=self.namespace, field_selector=selector,
+                              page=self.settings.cli_page):
+            task = TaskView.of(obj)
+            rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
+            for _ in range(2):
+                try:
+                    held = self.protocol.claim(task, rec, self.identity.holder)
+                except errors.NotClaimable:
+                    due = max((t for t in (task.spec.not_before, rec.not_before if rec else None)
+                               if t is not None), default=None)
+                    if due is not None and due > now and (soonest is None or due < soonest):
+                        soonest = due
+                    break
+                except errors.Refused:
+                    break
+                except errors.Conflict:
+                    if rec is not None:
+                        break  # another agent won: the next task
+                    rec = self.protocol.read(task.namespace, task.name)  # it had a Lease after all
+                    if rec is None:
+                        break
                     continue
-                task = TaskView.of(obj)
-                rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
-                for _ in range(2):
-                    try:
-                        held = self.protocol.claim(task, rec, self.identity.holder)
-                    except errors.NotClaimable:
-                        due = max((t for t in (task.spec.not_before, rec.not_before if rec else None)
-                                   if t is not None), default=None)
-                        if due is not None and due > now and (soonest is None or due < soonest):
-                            soonest = due
-                        break
-                    except errors.Refused:
-                        break
-                    except errors.Conflict:
-                        if rec is not None:
-                            break  # another agent won: the next task
-                        rec = self.protocol.read(task.namespace, task.name)  # it had a Lease after all
-                        if rec is None:
-                            break
-                        continue
-                    return self._claimed(task, held, interrupt=interrupt, follow=False)
+                return self._claimed(task, held, interrupt=interrupt, follow=False)
         return soonest
 
     def work(self, queue: str, handler: Handler, *, concurrency: int = 1, stop: threading.Event | None = None,

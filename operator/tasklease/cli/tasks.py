@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from tasklease.agent.producer import same_spec
+from tasklease.agent.ranked import labelled
 from tasklease.api import errors, models
 from tasklease.cli import output
 from tasklease.cli.common import first_line, kube_of
@@ -31,7 +32,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         namespace = body.get("metadata", {}).get("namespace") or kube.namespace
         name = body.get("metadata", {}).get("name") or ""
         try:
-            created = kube.create(TASKS, body, namespace=namespace)
+            created = kube.create(TASKS, labelled(body), namespace=namespace)
             print(f"task/{created['metadata']['name']} created")
         except errors.Conflict:
             existing = kube.get(TASKS, name, namespace=namespace)

@@ -1,0 +1,127 @@
+"""A queue's open Tasks read best first, a few pages at a time: strict priority without reading the queue.
+
+The one-shot claim (`tasklease claim`) keeps no index: it must learn the highest band from the
+API server. Field selectors only compare for equality, but label selectors compare integers
+(`key>N`, `key<N`) and select objects without a key (`!key`), so producers label each Task
+with its rank (`LABEL_RANK`: the priority plus `OFFSET`, as a label value cannot be negative).
+The label is a hint and nothing more: a task without it (created by hand) is read whole and
+ranked by its `spec.priority`, tasks are ordered by the `spec.priority` of the objects read,
+and the claim checks the Task and its Lease as always. A task whose label is no integer is
+left to the watching agents; a priority changed after creation keeps the rank it was created
+with, for this path only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Final
+
+from tasklease.api import models
+from tasklease.kube import JSON, TASKS, Kube
+
+LABEL_RANK: Final = "tasklease.dev/rank"
+_PRIORITY: Final = models.TaskSpec.model_json_schema(by_alias=True)["properties"]["priority"]
+OFFSET: Final = -int(_PRIORITY["minimum"])
+_CAP: Final = int(_PRIORITY["maximum"]) + OFFSET + 1  # above every rank
+_DEFAULT_PRIORITY: Final = int(_PRIORITY["default"])
+
+
+def rank(priority: int) -> str:
+    """The label value of a task of `priority`."""
+    return str(priority + OFFSET)
+
+
+def labelled(task: JSON) -> JSON:
+    """`task` (a body to create) with its rank label, unless it has one already."""
+    meta = task.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if LABEL_RANK in labels:
+        return task
+    priority = (task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        return task  # the API server refuses it with a clear message; not ours to guess
+    return {**task, "metadata": {**meta, "labels": {**labels, LABEL_RANK: rank(priority)}}}
+
+
+def best_key(task: JSON) -> tuple[int, str, str]:
+    """Best first: higher priority, then older, then by name."""
+    meta = task["metadata"]
+    return (-int((task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)), meta.get("creationTimestamp", ""),
+            meta["name"])
+
+
+def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) -> Iterator[JSON]:
+    """The Tasks `field_selector` selects, highest priority first (strict across the queue),
+    oldest first within what a page of a band shows; read lazily, band by band, a page at a
+    time. A caller that stops at the first task it can claim makes three LISTs: the first page,
+    and two that find whatever could go before the best band of that page (no label, or a
+    higher rank), usually nothing."""
+    def listed(labels: str) -> Iterator[JSON]:
+        for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
+                                     label_selector=labels, limit=page):
+            yield from found.get("items", [])
+
+    first = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page).get("items", [])
+    if not first:
+        return
+    seen = max(_rank_of(task) for task in first)  # the bands up to this one are partly read
+    pool = {task["metadata"]["name"]: task for task in first}
+    # Two LISTs find every task that could go before the first page's best band: those without
+    # the label, and those of a higher rank (a `notin` of every lower rank would be one LIST,
+    # but the API server matches a set value by value, object by object).
+    higher = [f"{LABEL_RANK}>{seen}"] if seen < _CAP - 1 else []  # none above the highest priority
+    for labels in (f"!{LABEL_RANK}", *higher):
+        pool.update((task["metadata"]["name"], task) for task in listed(labels))
+    ceiling = _CAP  # the bands left are below this rank
+    while True:
+        band = max((r for r in map(_rank_of, pool.values()) if r < ceiling), default=None)
+        if ceiling <= seen:  # labelled tasks below the first page's best band were not read
+            labelled = _top(kube, namespace=namespace, field_selector=field_selector, page=page, below=ceiling)
+            band = max((r for r in (band, labelled) if r is not None), default=None)
+        if band is None:
+            return
+        given = set()
+        for task in sorted((t for t in pool.values() if _rank_of(t) == band), key=best_key):
+            given.add(task["metadata"]["name"])
+            yield task
+        if band <= seen:
+            for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
+                                         label_selector=f"{LABEL_RANK}={band}", limit=page):
+                yield from sorted((t for t in found.get("items", []) if t["metadata"]["name"] not in given),
+                                  key=best_key)
+        ceiling = band
+
+
+def _top(kube: Kube, *, namespace: str, field_selector: str, page: int, below: int | None) -> int | None:
+    """The highest rank below `below` (None: any) of a selected task; None when there is none.
+    Each LIST asks for a rank above the best seen so far: one more than the bands there are
+    above the first page's best, and usually two in all."""
+    bound = f"{LABEL_RANK}<{_CAP if below is None else below}"
+    selector, best = bound, None
+    while True:
+        ranks = [_int(task) for task in kube.list(TASKS, namespace=namespace, field_selector=field_selector,
+                                                  label_selector=selector, limit=page).get("items", [])]
+        higher = [r for r in ranks if r is not None and (best is None or r > best)]
+        if not higher:
+            return best
+        best = max(higher)
+        selector = f"{LABEL_RANK}>{best},{bound}"
+
+
+def _rank_of(task: JSON) -> int:
+    """Its rank label when that is a rank, else the rank of its `spec.priority`."""
+    try:
+        labelled = int(((task.get("metadata") or {}).get("labels") or {}).get(LABEL_RANK, ""))
+    except ValueError:
+        labelled = -1
+    if 0 <= labelled < _CAP:
+        return labelled
+    priority = (task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)
+    return priority + OFFSET if isinstance(priority, int) else OFFSET
+
+
+def _int(task: JSON) -> int | None:
+    try:
+        return int(((task.get("metadata") or {}).get("labels") or {}).get(LABEL_RANK, ""))
+    except ValueError:
+        return None

@@ -1,0 +1,82 @@
+"""The one-shot claim (`tasklease claim`) is strict priority across the whole queue, not within a page."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from conftest import make_task
+from tasklease.agent import Agent, Identity
+from tasklease.agent.producer import Producer
+from tasklease.agent.ranked import LABEL_RANK, rank
+from tasklease.api import errors, models
+from tasklease.api.timestamps import format_time, now_utc
+from tasklease.kube import TASKS, Kube
+
+
+def _agent(kube: Kube) -> Agent:
+    return Agent(kube, identity=Identity(pod="shell", instance="1"))
+
+
+def test_the_one_high_priority_task_beyond_the_first_page_is_claimed_first(kube: Kube) -> None:
+    producer = Producer(kube)
+    for i in range(40):
+        producer.submit(f"a-low-{i:02d}", models.TaskSpec(queue="strict"))
+    producer.submit("z-high", models.TaskSpec(queue="strict", priority=1000))  # newest, and last by name
+    assert kube.get(TASKS, "z-high")["metadata"]["labels"][LABEL_RANK] == rank(1000)
+    agent = _agent(kube)
+    assert agent.settings.cli_page < 41  # the case the issue measured: more tasks than one page
+    task = agent.claim_once("strict")
+    assert task.name == "z-high"
+    task.complete("ok")
+    assert agent.claim_once("strict").name.startswith("a-low-")  # then the band below
+    agent.close()
+
+
+def test_a_task_created_without_the_rank_label_still_goes_first_by_its_priority(kube: Kube) -> None:
+    producer = Producer(kube)
+    for i in range(25):
+        producer.submit(f"a-{i:02d}", models.TaskSpec(queue="loose", priority=5))
+    make_task(kube, "by-hand", queue="loose", priority=7)  # as kubectl apply would: no label
+    assert LABEL_RANK not in (kube.get(TASKS, "by-hand")["metadata"].get("labels") or {})
+    agent = _agent(kube)
+    first = agent.claim_once("loose")
+    assert first.name == "by-hand"
+    first.complete("ok")
+    assert agent.claim_once("loose").name.startswith("a-")
+    agent.close()
+
+
+def test_a_band_with_nothing_claimable_yet_gives_way_to_the_next_one(kube: Kube) -> None:
+    producer = Producer(kube)
+    later = now_utc() + timedelta(hours=1)
+    producer.submit("waits", models.TaskSpec.model_validate(
+        {"queue": "bands", "priority": 9, "notBefore": format_time(later)}))
+    producer.submit("middle", models.TaskSpec(queue="bands", priority=3))
+    producer.submit("bottom", models.TaskSpec(queue="bands", priority=-1000))
+    agent = _agent(kube)
+    names = []
+    for _ in range(2):
+        task = agent.claim_once("bands")
+        names.append(task.name)
+        task.complete("ok")
+    assert names == ["middle", "bottom"]
+    try:
+        agent.claim_once("bands")
+        raise AssertionError("a task not yet due was claimed")
+    except errors.NothingToClaim:
+        pass
+    agent.close()
+
+
+def test_a_wrong_rank_label_changes_no_rule_of_the_claim(kube: Kube) -> None:
+    """A producer is untrusted: a label saying the top band only moves where the claim looks
+    first; a cancelled task labelled so is still not claimed, and the rest still is."""
+    producer = Producer(kube)
+    producer.submit("honest", models.TaskSpec(queue="lies", priority=1))
+    lying = {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
+             "metadata": {"name": "liar", "labels": {LABEL_RANK: rank(1000)}},
+             "spec": {"queue": "lies", "priority": -1000, "cancel": True}}
+    kube.create(TASKS, lying)
+    agent = _agent(kube)
+    assert agent.claim_once("lies").name == "honest"
+    agent.close()
