@@ -72,8 +72,10 @@ def reclaim_after_kill(kube: Kube, *, kubeconfig: Path, agents: int = 8, kills: 
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(pod: str) -> None:
-        procs[pod] = spawn(["run", f"--kubeconfig={ns_config}", "--queue", "reclaim", "--", "sleep", "600"],
-                           env={"POD_NAME": pod})
+        # The command runs as long as its agent does (it is in a session of its own: a kill
+        # of the agent does not reach it).
+        procs[pod] = spawn(["run", f"--kubeconfig={ns_config}", "--queue", "reclaim", "--wait", "300", "--",
+                            "sh", "-c", "while kill -0 $PPID 2>/dev/null; do sleep 1; done"], env={"POD_NAME": pod})
     try:
         for i in range(agents):  # no spare: a free task would draw the replacement away from the killed one
             create(kube, f"r-{i:03d}", queue="reclaim", leaseDurationSeconds=LEASE_S,
