@@ -16,6 +16,7 @@ from tasklease_dev.bench.space import create, lease_holder, lease_state, namespa
 
 LEASE_S, BACKOFF_S, GRACE_S = 5, 1, 1  # the chaos run's settings; the operator runs with --grace=1
 RECLAIM_TARGET_S = LEASE_S + GRACE_S + BACKOFF_S + 2
+RECLAIM_WAIT_S = 90  # then the replacement is taken never to claim the task
 
 
 def requeue_after_kill(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_path: bool) -> list[float]:
@@ -95,8 +96,11 @@ def reclaim_after_kill(kube: Kube, *, kubeconfig: Path, agents: int = 8, kills: 
             killed_at = time.monotonic()
             procs.pop(pod).send_signal(signal.SIGKILL)
             start(pod if same_pod else f"{pod}-new")
-            until(lambda: lease_holder(kube, task) not in ("", held_by), 120,  # noqa: B023
-                  f"{task} to be claimed again", interval=0.05)
+            try:
+                until(lambda: lease_holder(kube, task) not in ("", held_by), RECLAIM_WAIT_S,  # noqa: B023
+                      f"{task} to be claimed again", interval=0.05)
+            except TimeoutError:
+                pass  # the time waited stands as the figure: at least that long, far past the target
             times.append(time.monotonic() - killed_at)
         return times
     finally:
