@@ -49,7 +49,8 @@ def _about(res: dict[str, Any]) -> str:
     return (f"{res.get('date', 'undated')}, commit `{res.get('commit', 'unknown')}`, "
             f"{machine.get('cpu_model', 'unknown CPU')} ({machine.get('nproc', '?')} CPUs"
             + (f", load {load_at:.1f} at start" if load_at is not None else "") + "), "
-            f"Kubernetes {res.get('kubernetes', '?')}" + (", quick run" if res.get("quick") else ""))
+            f"Kubernetes {res.get('kubernetes', '?')}" + (", quick run" if res.get("quick") else "")
+            + (f"; {res['partial']}" if res.get("partial") else ""))
 
 
 def render(results: Loaded) -> str:
