@@ -1,8 +1,25 @@
-"""The bench's own arithmetic: pure, no control plane."""
+"""The bench's own arithmetic, verdicts and generated pages, and the chart's defaults beside its figures.
+
+No control plane: the figures come from the checked-in result files.
+"""
+
+import json
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 
-from tasklease_dev.bench import cpu_until
+from conftest import ROOT
+from tasklease_dev import benchdoc
+from tasklease_dev.bench.harness import cpu_until
+from tasklease_dev.bench.results import load, newest_with
+from tasklease_dev.bench.targets import TARGETS, table
+
+# The largest queue the docs promise the chart's defaults hold, and the bench figure measured at it.
+DOCUMENTED_MAX_TASKS = 100_000
+OPERATOR_RSS_AT_MAX = "operator_rss_mb_100k"
+HEADROOM = 1.5
 
 
 def test_a_workers_cpu_is_read_at_the_cases_end_between_its_marks() -> None:
@@ -13,3 +30,58 @@ def test_a_workers_cpu_is_read_at_the_cases_end_between_its_marks() -> None:
     assert cpu_until(marks, 12.0) == pytest.approx((1.1, 0.85, 0.6))  # halfway into the wait
     assert cpu_until(marks, 20.0) == pytest.approx((1.2, 0.9, 0.6))  # past the last mark: the last
     assert cpu_until(marks, 9.0) == pytest.approx((0.0, 0.0, 0.0))  # before the clock started
+
+
+def test_the_table_names_every_target_and_counts_misses_and_figures_not_run() -> None:
+    res = {target.key: target.threshold for target in TARGETS}  # each exactly at its threshold: met
+    res["sdk_operator_on_vs_floor3_16"] = 0.5
+    del res["agent_first_claim_100k_s"]
+    lines, missed = table(res)
+    assert len(lines) == len(TARGETS) + 1
+    assert missed == ["sdk_operator_on_vs_floor3_16", "agent_first_claim_100k_s"]
+    row = next(line for line in lines if line.startswith("SDK ÷ 3-write floor, operator on, 16 agents"))
+    assert row.split()[-2:] == ["NOT", "met"] and "≥ 0.8" in row
+    assert next(line for line in lines if "first claim" in line).endswith("not run")
+
+
+def test_the_sizing_table_is_generated_from_the_result_files() -> None:
+    assert benchdoc.SIZING.read_text() == benchdoc.render_sizing(load()), "docs/sizing-table.md is stale: make generate"
+
+
+def test_the_sizing_table_shows_the_newest_scale_run(tmp_path: Path) -> None:
+    row = {"tasks": 100000, "agents": 16, "operator_rss_mb": 150.4, "operator_cpu_cores": 0.31,
+           "agent_rss_mb": 61.0, "agent_cpu_cores": 0.05}
+    res = {"date": "2026-02-01T00:00:00Z", "commit": "bbbbbbbbbbbb", "machine": {"cpu_model": "CPU", "nproc": 2},
+           "kubernetes": "v1.35.4", "sizing": [row]}
+    (tmp_path / "2026-02-01-bbbbbbbbbbbb.json").write_text(json.dumps(res))
+    assert "| 100,000 | 150 | 0.31 | 61 | 0.05 |" in benchdoc.render_sizing(load(tmp_path))
+    assert "No result file with the scale case" in benchdoc.render_sizing(load(tmp_path / "none"))
+
+
+def _mebibytes(quantity: str) -> float:
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", quantity).groups()  # type: ignore[union-attr]
+    factor = {"Ki": 1 / 1024, "Mi": 1.0, "Gi": 1024.0, "M": 1e6 / 2**20, "G": 1e9 / 2**20, "": 1 / 2**20}[unit]
+    return float(number) * factor
+
+
+def test_the_charts_default_memory_holds_the_documented_maximum_with_headroom() -> None:
+    """The operator's default memory limit (and request) against the newest bench figure of
+    its peak memory at the documented maximum number of tasks."""
+    resources = yaml.safe_load((ROOT / "helm" / "tasklease" / "values.yaml").read_text())["operator"]["resources"]
+    measured = newest_with(OPERATOR_RSS_AT_MAX)
+    assert measured is not None, f"no result file in bench/results/ has {OPERATOR_RSS_AT_MAX}: run make bench"
+    name, res = measured
+    assert res["sizes"]["scale"] == DOCUMENTED_MAX_TASKS, f"{name} measured a scale other than the documented maximum"
+    peak_mib = res[OPERATOR_RSS_AT_MAX]  # VmHWM: KiB / 1024
+    limit = _mebibytes(resources["limits"]["memory"])
+    assert limit >= HEADROOM * peak_mib, (
+        f"helm/tasklease/values.yaml: operator memory limit {resources['limits']['memory']} is below "
+        f"{HEADROOM}x the operator's peak {peak_mib:.0f} MiB at {DOCUMENTED_MAX_TASKS:,} tasks ({name})")
+    assert _mebibytes(resources["requests"]["memory"]) <= limit
+
+
+def test_the_documented_maximum_is_the_one_the_bench_measures() -> None:
+    sizing = ROOT / "docs" / "sizing.md"
+    text = sizing.read_text() if sizing.exists() else benchdoc.SIZING.read_text()
+    named = sizing if sizing.exists() else benchdoc.SIZING
+    assert f"{DOCUMENTED_MAX_TASKS:,}" in text, f"{named.name} does not name {DOCUMENTED_MAX_TASKS:,} tasks"

@@ -45,6 +45,8 @@ def render() -> str:
     for module in sorted(tools.glob("*.py")):
         if module.name != "__init__.py":
             lines.append(_row(f"  {module.name}", _summary(module)))
+    for sub in sorted(p for p in tools.iterdir() if (p / "__init__.py").exists()):
+        lines.append(_row(f"  {sub.name}/", _summary(sub / "__init__.py")))
     return "\n".join(["```", *lines, "```"])
 
 

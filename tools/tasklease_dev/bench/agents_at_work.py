@@ -1,0 +1,147 @@
+"""Cases with agents at work: drains, idle agents beside renewals, the operator's writes and lag, the one-shot claim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tasklease.agent.sdk import Agent, ClaimedTask, Identity
+from tasklease.api.timestamps import parse_time
+from tasklease.kube import JSON, TASKS, Kube
+from tasklease.kube.watching import Reflector
+from tasklease.protocol import Held
+from tasklease_dev.bench.floors import floors
+from tasklease_dev.bench.harness import run_workers
+from tasklease_dev.bench.procs import metric, operator, ready, status_mb, stop, until
+from tasklease_dev.bench.space import create, create_tasks, phase_is
+
+Results = dict[str, Any]
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else (values[0] if values else math.nan)
+
+
+def sdk_case(kube: Kube, *, kubeconfig: Path, workers: int, depth: int, drain: int) -> Results:
+    """`depth` open tasks, `workers` agents; the rate at which they drain `drain` of them.
+    From a deeper queue, each agent takes twice its share and the rate runs to the `drain`th
+    completion of all: a quota of exactly its share would make the rate wait for the
+    slowest agent's last task, while the others, in a deep queue, would go on working."""
+    create_tasks(kube, depth, queue="bench", kubeconfig=kubeconfig)
+    if drain >= depth:
+        return run_workers("sdk", kube, kubeconfig=kubeconfig, workers=workers, tasks=drain)
+    return run_workers("sdk", kube, kubeconfig=kubeconfig, workers=workers, tasks=drain,
+                        max_tasks=math.ceil(2 * drain / workers), measure=drain)
+
+
+def renewals(kube: Kube, *, kubeconfig: Path, held: int = 40, idle: int = 4, seconds: float = 10.0) -> Results:
+    """Idle agents beside `held` leases renewed every 5/3 s: how often does a renewal wake one?"""
+    create_tasks(kube, held, queue="bench", leaseDurationSeconds=5)
+    holder = Agent(kube, identity=Identity(pod="holder", instance="bench"))
+    renewals = [0]
+    counting = threading.Event()
+    renew = holder.protocol.renew
+
+    def counted(*a: Any, **kw: Any) -> Held:
+        out = renew(*a, **kw)
+        if counting.is_set():
+            renewals[0] += 1
+        return out
+    holder.protocol.renew = counted  # type: ignore[method-assign]
+    tasks: list[ClaimedTask] = [holder.claim("bench", timeout=60) for _ in range(held)]
+    try:
+        window = run_workers("idle", kube, kubeconfig=kubeconfig, workers=idle, tasks=0, seconds=seconds,
+                              on_go=counting.set)
+        counting.clear()
+    finally:
+        for task in tasks:
+            task.release()
+        holder.close()
+    per_agent = statistics.mean(window["wakeups"])
+    return {"renewals_in_window": renewals[0],
+            "renewal_wakeups_per_idle_agent": per_agent / max(renewals[0], 1),
+            "idle_agent_cpu_ms_per_renewal": statistics.mean(window["cpu_s"]) * 1000 / max(renewals[0], 1)}
+
+
+def operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: float = 100.0,
+                   agents: int = 8) -> Results:
+    """Tasks arrive at `rate`/s, `agents` drain them, the operator projects: writes and lag."""
+    op, port = operator(kube, kubeconfig)
+    succeeded: dict[str, float] = {}
+    lags: list[float] = []
+
+    def seen(kind: str, obj: JSON) -> None:
+        status = obj.get("status") or {}
+        name = obj["metadata"]["name"]
+        if status.get("phase") == "Succeeded" and name not in succeeded:
+            succeeded[name] = time.time()
+            done_at = parse_time(status.get("completedAt"))
+            if done_at is not None:
+                lags.append(succeeded[name] - done_at.timestamp())
+    watch = Reflector(kube, TASKS, namespace=kube.namespace, listener=seen, keep_objects=False)
+    watch.start()
+    try:
+        until(lambda: ready(port), 120, "the operator to be ready")
+
+        def produce() -> None:
+            start = time.monotonic()
+            for i in range(tasks):
+                time.sleep(max(start + i / rate - time.monotonic(), 0))
+                create(kube, f"flow-{i:06d}", queue="bench")
+        report = run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=tasks,
+                              on_go=lambda: threading.Thread(target=produce, daemon=True).start())
+        until(lambda: len(succeeded) >= tasks, 300, "every task projected Succeeded")
+        status_writes = metric(port, "tasklease_status_writes_total", 'result="ok"')
+        events = metric(port, "tasklease_events_posted_total")
+    finally:
+        watch.stop()
+        stop(op)
+    # One claim and one completion each (409s are not successful writes), and the member Lease
+    # writes that told of claims (those the operator had not projected when told). The
+    # members' liveness writes are per agent and time, as the operator's leader Lease
+    # renewals are: shown beside, per agent and minute.
+    agent_writes = 2 * tasks + report["member_told"]
+    minutes = report["done"] / report["rate"] / 60
+    return {"writes_per_task_operator": (agent_writes + status_writes + events) / tasks,
+            "status_writes_per_task": status_writes / tasks, "events_per_task": events / tasks,
+            "member_told_per_task": report["member_told"] / tasks,
+            "member_liveness_per_agent_min": report["member_liveness"] / agents / minutes,
+            "projection_lag_p50_s": statistics.median(lags), "projection_lag_p99_s": p99(lags),
+            "flow_conflicts_per_task": report["conflicts"] / tasks}
+
+
+def cli_and_operator_at_depth(kube: Kube, *, kubeconfig: Path, depth: int, suffix: str,
+                               claims: int = 30) -> Results:
+    """`depth` open tasks: the operator's memory and time to work through them as a backlog,
+    then the one-shot claim (`tasklease claim`'s path) with the operator keeping up."""
+    create_tasks(kube, depth, queue="bench", kubeconfig=kubeconfig)
+    started = time.monotonic()
+    op, port = operator(kube, kubeconfig)
+    try:
+        until(lambda: ready(port), 3600, "the operator to work through its backlog", interval=1.0)
+        backlog_s = time.monotonic() - started
+        rss = status_mb(op.pid, "VmRSS")
+        latencies = []
+        agent = Agent(kube, identity=Identity(pod="cli", instance="bench"))
+        for _ in range(claims):
+            began = time.perf_counter()
+            task = agent.claim_once("bench")
+            latencies.append(time.perf_counter() - began)
+            task.complete("ok")
+            # As between two shell claims: the operator has projected the last one.
+            until(functools.partial(phase_is, kube, task.name, "Succeeded"), 30, "the claimed task to be projected")
+    finally:
+        stop(op)
+    out: Results = {f"operator_rss_mb_{suffix}": rss, f"operator_backlog_s_{suffix}": backlog_s}
+    if latencies:
+        out[f"cli_claim_p50_s_{suffix}"] = statistics.median(latencies)
+        out[f"cli_claim_vs_floor_{suffix}"] = statistics.median(latencies) / floors(kube, rounds=50)["get_put_p50_s"]
+    return out
+
+

@@ -1,0 +1,192 @@
+"""Cases run side by side: worker processes made ready first, then let go, and pairs of cases in alternating order.
+
+A shared machine's speed changes from one minute to the next (the raw floor alone by a
+factor of several): a ratio of two rates is only as good as their closeness in time, and
+setting a case up (its tasks, its workers, deleting the last one's namespace) takes longer
+than running it. So the cases of a ratio are made ready together and run back to back, in
+several pairs whose order alternates, and the ratio is the median of the pairs'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tasklease.kube import Kube
+from tasklease_dev.bench.procs import control_plane, operator, process_cpu_s, ready, stop, until
+from tasklease_dev.bench.space import create_tasks, namespace, namespace_config
+
+Results = dict[str, Any]
+_SAMPLE_S = 0.05  # how often a case reads the control plane's CPU
+
+
+def percentiles(latencies: list[float]) -> dict[str, float]:
+    if len(latencies) < 2:
+        return {}
+    q = statistics.quantiles(latencies, n=20)
+    return {"p50": statistics.median(latencies), "p95": q[18]}
+
+
+class Workers:
+    """Worker processes started and ready (connected; an agent has joined its queue), each
+    blocked on its stdin until `go`: one per worker, as agents are separate pods."""
+
+    def __init__(self, mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
+                 seconds: float = 0.0, beside: dict[str, int] | None = None, measure: int = 0) -> None:
+        self.mode, self.tasks, self.measure = mode, tasks, measure
+        config = namespace_config(kube, kubeconfig)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease_dev.bench", "--worker", mode,
+                                        "--kubeconfig", str(config), "--index", str(i), "--tasks", str(tasks),
+                                        "--workers", str(workers), "--max-tasks", str(max_tasks),
+                                        "--seconds", str(seconds)],
+                                       stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+                      for i in range(workers)]
+        self.plane = {**control_plane(kubeconfig), **(beside or {})}
+        self.sync = []
+        try:
+            for proc in self.procs:
+                assert proc.stdout is not None
+                line = proc.stdout.readline().strip()
+                if not line.startswith("ready"):
+                    raise RuntimeError(f"bench worker ({mode}) did not start")
+                self.sync.append(float(line.split()[1]))
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Ours: a worker left waiting for `go` would wait forever."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def go(self, on_go: Callable[[], None] | None = None) -> Results:
+        """Start the clock and every worker; their figures once all have ended. The CPU of the
+        control plane, and of the processes in `beside` (name → pid), is counted too. The rate
+        runs to the last completion, or with `measure`, to the `measure`th of all."""
+        reports = []
+        # The control plane's CPU, sampled: what it used up to the last completion, not up to the
+        # workers' exit (an agent waits `idle_timeout` for more work before it leaves).
+        samples: list[tuple[float, dict[str, float]]] = []
+        sampled = threading.Event()
+
+        def sample() -> None:
+            while not sampled.wait(_SAMPLE_S):
+                samples.append((time.time(), process_cpu_s(self.plane)))
+        sampler = threading.Thread(target=sample, daemon=True)
+        try:
+            plane_before = process_cpu_s(self.plane)
+            started = time.time()
+            for proc in self.procs:
+                assert proc.stdin is not None
+                with contextlib.suppress(BrokenPipeError):  # a worker gone: its report is missing below
+                    proc.stdin.write("go\n")
+                    proc.stdin.flush()
+            sampler.start()
+            if on_go is not None:
+                on_go()
+            for proc in self.procs:
+                out, _ = proc.communicate(timeout=3600)
+                reports.append(json.loads(out.strip().splitlines()[-1]))
+            samples.append((time.time(), process_cpu_s(self.plane)))
+        finally:
+            sampled.set()
+            self.kill()
+        return self._results(reports, started, plane_before, samples)
+
+    def _results(self, reports: list[Results], started: float, plane_before: dict[str, float],
+                 samples: list[tuple[float, dict[str, float]]]) -> Results:
+        mode, tasks, measure = self.mode, self.tasks, self.measure
+        done = sum(r["done"] for r in reports)
+        if mode != "idle" and done < tasks:
+            raise RuntimeError(f"bench ({mode}): {done} of {tasks} tasks done")
+        latencies = [x for r in reports for x in r["latencies"]]
+        finished = sorted(t for r in reports for t in r["completions"])[measure - 1] if measure else \
+            max(r["last"] for r in reports)
+        done_by = measure or done
+        plane_at = next(used for at, used in samples if at >= finished)
+        used = {name: cpu - plane_before.get(name, 0.0) for name, cpu in plane_at.items()}
+        split = [cpu_until(r["marks"], finished) for r in reports if r.get("marks")]
+        used["workers"] = sum(s[0] for s in split) if split else sum(r.get("cpu_s", 0.0) for r in reports)
+        main, in_requests = sum(s[1] for s in split), sum(s[2] for s in split)
+        return {"rate": done_by / (finished - started) if done else 0.0, "done": done,
+                # Where the CPU goes, per task: on 2 shared cores this bounds every rate.
+                "cpu_ms_per_task": {name: 1000 * cpu / done_by for name, cpu in used.items()} if done else {},
+                # The workers' share, split: their main threads (a worker's loop, an agent's claims
+                # and completions) in their requests and outside them, and their other threads.
+                "worker_ms_per_task": {"requests": 1000 * in_requests / done_by,
+                                       "outside": 1000 * (main - in_requests) / done_by,
+                                       "other threads": 1000 * (used["workers"] - main) / done_by}
+                if split and done else {},
+                "conflicts": sum(r["conflicts"] for r in reports), "rss_mb": max(r["rss_mb"] for r in reports),
+                "member_told": sum(r.get("member_told", 0) for r in reports),
+                "member_liveness": sum(r.get("member_liveness", 0) for r in reports),
+                "sync_s": max(self.sync), "wakeups": [r.get("wakeups", 0) for r in reports],
+                "cpu_s": [r.get("cpu_s", 0.0) for r in reports],
+                "watch_events": sum(r.get("watch_events", 0) for r in reports), **percentiles(latencies)}
+
+
+def run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
+                 seconds: float = 0.0, on_go: Callable[[], None] | None = None,
+                 beside: dict[str, int] | None = None, measure: int = 0) -> Results:
+    """One case: its workers started, then let go (`Workers`)."""
+    return Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, max_tasks=max_tasks,
+                    seconds=seconds, beside=beside, measure=measure).go(on_go)
+
+
+
+
+def side_by_side(kubeconfig: Path, modes: Sequence[str], *, workers: int, tasks: int,
+                 operator_on: bool = False) -> dict[str, Results]:
+    """The throughput cases of `modes` (floors, and "sdk": `tasks` tasks, `workers` workers),
+    each in a namespace of its own, all made ready first, then run one right after another.
+    With `operator_on`, the SDK's namespace has the operator running, as by default."""
+    with contextlib.ExitStack() as stack:
+        ready_: dict[str, Workers] = {}
+        for mode in modes:
+            kube = stack.enter_context(namespace(kubeconfig))
+            beside: dict[str, int] = {}
+            if mode in ("sdk", "protocol", "raw3"):  # they claim Tasks, or write their status
+                create_tasks(kube, tasks, queue="bench")
+            if mode == "sdk" and operator_on:
+                proc, port = operator(kube, kubeconfig)
+                stack.callback(stop, proc)
+                until(lambda port=port: ready(port), 120, "the operator to be ready")  # type: ignore[misc]
+                beside["operator"] = proc.pid
+            ready_[mode] = Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, beside=beside)
+            stack.callback(ready_[mode].kill)
+        return {mode: ready_[mode].go() for mode in modes}
+
+
+def pairs(kubeconfig: Path, case: str, floor: str, *, count: int, workers: int, tasks: int,
+          operator_on: bool = False) -> tuple[list[float], list[dict[str, Results]]]:
+    """`count` pairs of `case` and `floor`, the order alternating: each pair's rate of `case`
+    ÷ rate of `floor`, and the pairs' figures."""
+    ratios, runs = [], []
+    for i in range(count):
+        order = (case, floor) if i % 2 == 0 else (floor, case)
+        run = side_by_side(kubeconfig, order, workers=workers, tasks=tasks, operator_on=operator_on)
+        ratios.append(run[case]["rate"] / run[floor]["rate"])
+        runs.append(run)
+    return ratios, runs
+
+
+def cpu_until(marks: list[list[float]], when: float) -> tuple[float, float, float]:
+    """A worker's (process, main thread, main thread in requests) CPU seconds from its first
+    mark to `when`, interpolated between the marks around it (see `worker.Meter`); the last
+    mark's figures for a `when` past it."""
+    first = marks[0]
+    after = next((i for i, mark in enumerate(marks) if mark[0] >= when), len(marks) - 1)
+    lo, hi = marks[max(after - 1, 0)], marks[after]
+    share = 0.0 if hi[0] <= lo[0] else min(max((when - lo[0]) / (hi[0] - lo[0]), 0.0), 1.0)
+    cpu, main, requests = (lo[k] + share * (hi[k] - lo[k]) - first[k] for k in (1, 2, 3))
+    return cpu, main, requests
