@@ -27,9 +27,7 @@ def requeue_after_kill(kube: Kube, *, kubeconfig: Path, kills: int, pod_fast_pat
     try:
         for i in range(kills):
             pod = f"victim-{i}"
-            kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": pod},
-                                "spec": {"queue": pod, "leaseDurationSeconds": 5,
-                                         "backoff": {"initialSeconds": 0, "maxSeconds": 0}}})
+            create(kube, pod, queue=pod, leaseDurationSeconds=5, backoff={"initialSeconds": 0, "maxSeconds": 0})
             if pod_fast_path:
                 kube.create(PODS, {"apiVersion": "v1", "kind": "Pod",
                                    "metadata": {"name": pod, "labels": {"tasklease.dev/agent": "true"}},
@@ -116,9 +114,7 @@ def cancel_to_holder(kube: Kube, *, rounds: int) -> list[float]:
     times = []
     try:
         for i in range(rounds):
-            kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task",
-                                "metadata": {"name": f"cancel-{i}"},
-                                "spec": {"queue": "cancel", "leaseDurationSeconds": 300}})
+            create(kube, f"cancel-{i}", queue="cancel", leaseDurationSeconds=300)
             task = agent.claim("cancel", timeout=60, interrupt=False)
             time.sleep(0.5)  # the holder's watch is up
             started = time.monotonic()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tasklease.agent.ranked import labelled
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
 from tasklease.protocol import record
 from tasklease_dev.cluster import namespaced_kubeconfig
@@ -58,8 +59,9 @@ def namespace_config(kube: Kube, kubeconfig: Path) -> Path:
 
 
 def task_body(name: str, *, queue: str, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
-            "spec": {"queue": queue, **spec}}
+    """A Task as producers create it (with its rank label, which the one-shot claim climbs by)."""
+    return labelled({"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
+                     "spec": {"queue": queue, **spec}})
 
 
 def create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
