@@ -89,7 +89,7 @@ class Reconciler:
         self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
         self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic)
-        self._attempts: timeouts.AttemptClock[Key] = timeouts.AttemptClock(monotonic, default_s=attempt_timeout_s)
+        self._attempts: timeouts.AttemptClock[Key] = timeouts.AttemptClock(monotonic)
         self.queue: WorkQueue[Key] = WorkQueue(monotonic, coalesce_s=coalesce_s)
         self._phases: dict[Key, tuple[str, str]] = {}  # (queue, phase) as last projected
         self._phase_values: dict[tuple[str, str], tuple[str, str]] = {}  # one tuple per value, shared by its tasks

@@ -43,9 +43,8 @@ def limit_s(spec: models.TaskSpec, default_s: int | None) -> int | None:
 class AttemptClock(Generic[K]):
     """Per held lease: which attempt (epoch) we saw claimed, and since when."""
 
-    def __init__(self, monotonic: Monotonic, *, default_s: int | None = None) -> None:
+    def __init__(self, monotonic: Monotonic) -> None:
         self.monotonic = monotonic
-        self.default_s = default_s
         self._seen: dict[K, Sighting] = {}
 
     def observe(self, key: K, rec: LeaseRecord) -> None:
