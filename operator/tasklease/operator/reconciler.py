@@ -239,14 +239,7 @@ class Reconciler:
         while self.active.is_set() and term == self._term:
             try:
                 for ns in scopes:
-                    for page in self.kube.list_pages(TASKS, namespace=ns, all_namespaces=ns is None):
-                        with self._lock:
-                            for obj in page.get("items", []):
-                                key = _key(obj)
-                                backlog.add(key)
-                                if key not in self._tasks:  # the watch may be ahead
-                                    self._tasks[key] = slim(obj)
-                                self.queue.add(key)
+                    self._seed_scope(ns, backlog)
                 break
             except errors.TaskleaseError as exc:
                 backlog.clear()
@@ -262,6 +255,28 @@ class Reconciler:
                 return
             self._backlog = {k for k in backlog if self.queue.queued(k)}
             self._check_caught_up()
+
+    def _seed_scope(self, ns: str | None, backlog: set[Key]) -> None:
+        """Queue every Task of one scope, adding its key to `backlog`. A list that outlives its
+        snapshot (a deep queue on a busy server) goes on at the server's current version, as
+        the Reflector's does: starting over could fail the same way for ever."""
+        start = ""
+        while True:
+            try:
+                for page in self.kube.list_pages(TASKS, namespace=ns, all_namespaces=ns is None, start=start):
+                    with self._lock:
+                        for obj in page.get("items", []):
+                            key = _key(obj)
+                            backlog.add(key)
+                            if key not in self._tasks:  # the watch may be ahead
+                                self._tasks[key] = slim(obj)
+                            self.queue.add(key)
+                return
+            except errors.Gone as exc:
+                if not exc.resume:
+                    raise
+                log.info("the list of Tasks for the backlog outlived its snapshot; listing the rest as they are now")
+                start = exc.resume
 
     def _check_caught_up(self) -> None:
         """Caller holds the lock."""
