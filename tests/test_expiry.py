@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasklease.operator.expiry import DeadlineQueue, LeaseClock, PodsGone
+from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Observation, PodsGone
 
 pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
 
@@ -17,44 +17,37 @@ class Clock:
         return self.now
 
 
-def test_a_lease_expires_after_duration_plus_grace_of_one_unchanged_version() -> None:
+def test_a_held_version_is_timed_from_when_it_was_first_seen() -> None:
     clock = Clock()
-    leases: LeaseClock[str] = LeaseClock(clock, grace_s=2)
+    leases: LeaseClock[str] = LeaseClock(clock)
     leases.observe("t", "rv1")
-    clock.now += 11.9
-    assert not leases.expired("t", "rv1", 10)
-    clock.now += 0.1
-    assert leases.expired("t", "rv1", 10)
+    clock.now += 12
+    assert leases.seen("t") == Observation("rv1", 100.0)
     assert leases.silent_for("t") == 12.0
     assert leases.first_seen("t") == 100.0
-    assert leases.first_seen("other") is None
-    assert leases.expires_at("t", 10) == 112.0
+    assert leases.first_seen("other") is None and leases.seen("other") is None
 
 
-def test_a_renewal_restarts_the_clock_and_an_old_version_never_expires() -> None:
+def test_a_renewal_restarts_the_clock_and_a_version_seen_again_keeps_it() -> None:
     clock = Clock()
-    leases: LeaseClock[str] = LeaseClock(clock, grace_s=0)
+    leases: LeaseClock[str] = LeaseClock(clock)
     leases.observe("t", "rv1")
     clock.now += 9
     leases.observe("t", "rv2")  # renewed: a new version, first seen now
-    leases.observe("t", "rv2")  # seen again (a relist): keeps its first sighting
     clock.now += 9
-    assert not leases.expired("t", "rv2", 10)
-    assert not leases.expired("t", "rv1", 10)  # what we decide on must be the version we last saw
-    clock.now += 1
-    assert leases.expired("t", "rv2", 10)
+    leases.observe("t", "rv2")  # seen again (a relist): keeps its first sighting
+    assert leases.seen("t") == Observation("rv2", 109.0)
 
 
 def test_a_new_leader_gives_every_held_lease_a_full_duration() -> None:
     clock = Clock()
-    leases: LeaseClock[str] = LeaseClock(clock, grace_s=0)
+    leases: LeaseClock[str] = LeaseClock(clock)
     leases.observe("t", "rv1")
     clock.now += 9
     leases.restart_all()
-    clock.now += 9
-    assert not leases.expired("t", "rv1", 10)
+    assert leases.seen("t") == Observation("rv1", 109.0)
     leases.forget("t")
-    assert leases.expires_at("t", 10) is None and not leases.expired("t", "rv1", 10)
+    assert leases.seen("t") is None
 
 
 def test_the_deadline_queue_keeps_only_the_latest_time_per_key() -> None:

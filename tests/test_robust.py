@@ -157,7 +157,7 @@ def test_one_objects_refused_write_does_not_make_the_operator_unready(
     reconciler.on_task("ADDED", kube.put(TASKS, task_json()))
     reconciler.on_lease("ADDED", kube.put(LEASES, lease(holder="agent-0/1")))
     working(reconciler)
-    wait_for(lambda: not reconciler._pending and not reconciler._inflight, timeout=10,  # noqa: SLF001
+    wait_for(reconciler.queue.idle, timeout=10,
              message="the task reconciled")
     assert (reconciler.problem == "") is ready
 

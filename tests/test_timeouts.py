@@ -22,7 +22,7 @@ from tasklease.agent import Agent
 from tasklease.agent.cancel import attempt_over
 from tasklease.api import errors, models, timestamps
 from tasklease.kube import EVENTS, LEASES, TASKS, Kube
-from tasklease.operator import options, projection
+from tasklease.operator import decision, options, projection
 from tasklease.operator.timeouts import AttemptClock, limit_s
 from tasklease.protocol import record
 from tasklease.protocol.rules import TaskView, claimed, requeued
@@ -52,6 +52,24 @@ def _held(task: TaskView, epoch_before: int = 0, rv: str = "1") -> record.LeaseR
 # -- the decision, on the operator's clock ---------------------------------------------------
 
 
+def _overran(attempts: AttemptClock[str], clock: Clock, task: TaskView, rec: record.LeaseRecord,
+             default_s: int | None = None) -> float | None:
+    """Seconds the attempt `rec` holds has run once past its timeout (`decision.decide`); None while within it."""
+    action = decision.decide(task, rec, _seen(attempts, rec), decision.Now(NOW, clock.now),
+                             decision.Settings(grace_s=0, attempt_timeout_s=default_s))
+    return action.ran_s if isinstance(action, decision.TimeOut) else None
+
+
+def _seen(attempts: AttemptClock[str], rec: record.LeaseRecord) -> decision.Observed:
+    sighting = attempts.sighting("t")
+    return decision.Observed(attempt_since=sighting.first_seen if sighting and sighting.epoch == rec.epoch else None)
+
+
+def _due(attempts: AttemptClock[str], clock: Clock, task: TaskView, rec: record.LeaseRecord) -> float | None:
+    return decision.next_look(task, rec, _seen(attempts, rec), decision.Now(NOW, clock.now),
+                              decision.Settings(grace_s=0), delete_at=None)
+
+
 def test_an_attempt_times_out_its_limit_after_the_operator_first_saw_the_claim_not_after_renewals() -> None:
     clock = Clock()
     attempts: AttemptClock[str] = AttemptClock(clock)
@@ -61,11 +79,11 @@ def test_an_attempt_times_out_its_limit_after_the_operator_first_saw_the_claim_n
     clock.now += 20
     renewed = replace(rec, resource_version="2", renewed_at=NOW)
     attempts.observe("t", renewed)  # a renewal is the same attempt: its clock keeps running
-    assert attempts.due_at("t", renewed, task.spec) == 130.0
+    assert _due(attempts, clock, task, renewed) == 130.0
     clock.now += 9.9
-    assert attempts.overran("t", renewed, task.spec) is None
+    assert _overran(attempts, clock, task, renewed) is None
     clock.now += 0.1
-    assert attempts.overran("t", renewed, task.spec) == 30.0
+    assert _overran(attempts, clock, task, renewed) == 30.0
 
 
 def test_the_holders_own_times_do_not_count_only_when_the_operator_saw_the_claim() -> None:
@@ -76,7 +94,7 @@ def test_the_holders_own_times_do_not_count_only_when_the_operator_saw_the_claim
     rec = replace(_held(task), acquired_at=datetime(2025, 12, 31, tzinfo=UTC))
     attempts.observe("t", rec)
     clock.now += 9
-    assert attempts.overran("t", rec, task.spec) is None
+    assert _overran(attempts, clock, task, rec) is None
 
 
 def test_a_new_attempt_starts_a_new_clock_and_an_ended_one_stops_it() -> None:
@@ -88,15 +106,15 @@ def test_a_new_attempt_starts_a_new_clock_and_an_ended_one_stops_it() -> None:
     clock.now += 8
     freed = requeued(first, task.spec, outcome="Failed", message="boom", now=NOW, backoff=False)
     attempts.observe("t", freed)
-    assert attempts.due_at("t", first, task.spec) is None
+    assert _due(attempts, clock, task, first) is None
     second = _held(task, epoch_before=1, rv="3")
     attempts.observe("t", second)
     clock.now += 8
-    assert attempts.overran("t", second, task.spec) is None  # 8 s into attempt 2, not 16
-    assert attempts.overran("t", first, task.spec) is None  # a decision on an older attempt is never made
+    assert _overran(attempts, clock, task, second) is None  # 8 s into attempt 2, not 16
+    assert _overran(attempts, clock, task, first) is None  # a decision on an older attempt is never made
     attempts.forget("t")
     clock.now += 100
-    assert attempts.overran("t", second, task.spec) is None
+    assert _overran(attempts, clock, task, second) is None
 
 
 def test_the_tasks_own_timeout_wins_over_the_operators_default_and_none_means_never() -> None:
@@ -108,11 +126,12 @@ def test_the_tasks_own_timeout_wins_over_the_operators_default_and_none_means_ne
     rec = _held(_task())
     attempts.observe("t", rec)
     clock.now += 10 ** 6
-    assert attempts.overran("t", rec, _task().spec) is None
-    defaulted: AttemptClock[str] = AttemptClock(clock, default_s=60)
-    defaulted.observe("t", rec)
+    assert _overran(attempts, clock, _task(), rec) is None
+    clock.now = 100.0
+    attempts.forget("t")
+    attempts.observe("t", rec)
     clock.now += 60
-    assert defaulted.overran("t", rec, _task().spec) == 60
+    assert _overran(attempts, clock, _task(), rec, default_s=60) == 60
 
 
 # -- the ending: retryable, counted, dead-lettered when spent, an Event --------------------------

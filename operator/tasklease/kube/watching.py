@@ -27,9 +27,10 @@ Listener = Callable[[str, JSON], None]
 class Reflector:
     """Keeps `store` (name → object) equal to the selected objects; calls `listener(type, obj)`.
 
-    `keep_objects=False`: the store keeps only each object's identity (name, uid, resourceVersion),
-    for a listener that keeps its own, smaller picture; a deletion found by a relist is then
-    delivered with that metadata only. `namespace=None` watches every namespace; the store is
+    `keep_objects=False`: the store keeps only each object's (uid, resourceVersion), for a
+    listener that keeps its own, smaller picture (a dict per object would cost more than the
+    listener's whole record of it); a deletion found by a relist is then delivered with that
+    metadata only. `namespace=None` watches every namespace; the store is
     then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist)."""
 
@@ -45,7 +46,7 @@ class Reflector:
         self.watch_timeout_s = watch_timeout_s
         self.keep_objects = keep_objects
         self.page_size = page_size
-        self.store: dict[str, JSON] = {}
+        self.store: dict[str, JSON | tuple[str, str]] = {}
         self.synced = threading.Event()
         self.error: Exception | None = None  # the last failure, until the next success
         self.lists = 0  # full LISTs made: one at start, one more per 410 Gone
@@ -125,7 +126,7 @@ class Reflector:
                 start = exc.resume
         self.lists += 1
         for name in set(self.store) - seen:
-            self._deliver("DELETED", self.store.pop(name))
+            self._deliver("DELETED", self._stored(name, self.store.pop(name)))
         self._rv = since
         self.error = None
         self.synced.set()
@@ -158,9 +159,15 @@ class Reflector:
 
     def _keep(self, name: str, obj: JSON) -> None:
         meta = obj["metadata"]
-        self.store[name] = obj if self.keep_objects else {
-            "metadata": {"name": meta["name"], "namespace": meta.get("namespace", self.namespace),
-                         "uid": meta.get("uid", ""), "resourceVersion": meta.get("resourceVersion", "")}}
+        self.store[name] = obj if self.keep_objects else (meta.get("uid", ""), meta.get("resourceVersion", ""))
+
+    def _stored(self, name: str, kept: JSON | tuple[str, str]) -> JSON:
+        """The object `_keep` kept under `name`, or its metadata when it kept the identity only."""
+        if isinstance(kept, dict):
+            return kept
+        namespace, _, short = name.rpartition("/") if self.namespace is None else (self.namespace, "", name)
+        uid, resource_version = kept
+        return {"metadata": {"name": short, "namespace": namespace, "uid": uid, "resourceVersion": resource_version}}
 
     def _deliver(self, kind: str, obj: JSON) -> None:
         """One bad object (say, a hand-edited annotation) must not stop the stream. Once stopped,

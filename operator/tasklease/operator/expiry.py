@@ -1,9 +1,9 @@
-"""When is a held lease expired? Decided on the operator's own monotonic clock. No I/O here.
+"""When was a held lease's version first seen, on the operator's own monotonic clock? No I/O here.
 
 Like client-go's leader election and the node lifecycle controller, the operator never
 compares a remote `renewTime` with its local clock (clock skew, clock jumps: kubernetes
 issues 67651, 125761). It remembers when it first saw each resourceVersion of a held
-Lease; the lease is expired when that version has stood unchanged for
+Lease; the lease is expired (`decision.decide`) when that version has stood unchanged for
 the Task's `spec.leaseDurationSeconds + grace` seconds as measured here: never the Lease's
 own `leaseDurationSeconds`, which its holder writes. A restarted operator has seen nothing
 yet, so every held lease gets a full duration again.
@@ -36,9 +36,8 @@ class Observation:
 class LeaseClock(Generic[K]):
     """Per held lease: which resourceVersion we saw, and since when."""
 
-    def __init__(self, monotonic: Monotonic, *, grace_s: float = DEFAULT_GRACE_S) -> None:
+    def __init__(self, monotonic: Monotonic) -> None:
         self.monotonic = monotonic
-        self.grace_s = grace_s
         self._seen: dict[K, Observation] = {}
 
     def observe(self, key: K, resource_version: str) -> Observation:
@@ -52,16 +51,9 @@ class LeaseClock(Generic[K]):
     def forget(self, key: K) -> None:
         self._seen.pop(key, None)
 
-    def expires_at(self, key: K, duration_s: float) -> float | None:
-        """`duration_s`: the Task's spec.leaseDurationSeconds."""
-        seen = self._seen.get(key)
-        return None if seen is None else seen.first_seen + duration_s + self.grace_s
-
-    def expired(self, key: K, resource_version: str, duration_s: float) -> bool:
-        seen = self._seen.get(key)
-        if seen is None or seen.resource_version != resource_version:
-            return False
-        return self.monotonic() >= seen.first_seen + duration_s + self.grace_s
+    def seen(self, key: K) -> Observation | None:
+        """The held version we last saw of `key`, and since when; None if none is held."""
+        return self._seen.get(key)
 
     def silent_for(self, key: K) -> float:
         seen = self._seen.get(key)

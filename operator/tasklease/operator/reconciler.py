@@ -1,19 +1,19 @@
 """The operator's reactions, in one place: from watched Tasks, Leases and Pods to writes.
 
 Watch events (from kopf, in `controller`) only update the in-memory picture and queue
-the task's key, after a short coalescing window (`coalesce_s`): every event of one task
-within that window makes one reconcile, so a task claimed and finished within it gets one
-status write. Worker threads reconcile keys one at a time per key:
+the task's key in the `workqueue.WorkQueue`, after a short coalescing window (`coalesce_s`):
+every event of one task within that window makes one reconcile, so a task claimed and
+finished within it gets one status write. Worker threads reconcile keys one at a time per key:
 
 1. carry out what the Task asks: cancel, or fail it at its deadline;
 2. expire a held lease whose holder went silent for the Task's lease duration (observed
    time, `expiry.LeaseClock`) or whose Pod is gone: free it for the next attempt with
    backoff, or dead-letter it; undo a claim first seen while the task was not claimable by
-   the API server's clock (`_early`); put right a backoff the failing holder wrote (`_backoff_end`);
+   the API server's clock; put right a backoff the failing holder wrote (`decision.decide`);
 3. project the Lease into Task.status (conditional PUT), then post the Events (the
    happy-path ones, Claimed and Succeeded, only with `happy_events`) and count the
    metrics of what changed;
-4. schedule the key's next look in the one `DeadlineQueue`.
+4. schedule the key's next look in the work queue.
 
 Every write is conditional on what was observed; a 409 means the world moved and a
 newer watch event will bring the key back. Standby replicas keep the picture current but
@@ -27,52 +27,34 @@ import random
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
-from tasklease.operator import cleanup, metrics, projection, timeouts
+from tasklease.operator import cleanup, decision, metrics, projection, timeouts
 from tasklease.operator.claimable import Waits
 from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
-from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Monotonic, PodsGone
+from tasklease.operator.expiry import LeaseClock, Monotonic, PodsGone
+from tasklease.operator.workqueue import WorkQueue
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
 from tasklease.protocol import LeaseRecord, Protocol, TaskView
-from tasklease.protocol.rules import Blocker, blocker, invalid_payload
 from tasklease.api.models import Phase
 
 log = logging.getLogger("tasklease.operator")
 
 Key = tuple[str, str]  # (namespace, name)
 _TERMINATED_POD_PHASES = ("Succeeded", "Failed")
-_MAX_WAIT_S = 5.0
 _CONFLICT_RETRY_S = 0.2  # the first retry after a 409 (backoff base); other errors start at 1 s
 _RETRY_CAP_S = 30.0
 # A gone Pod is remembered this long (longer than any lease duration), then forgotten.
 _POD_MEMORY_S = 2 * 3600.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
-# How far a claim's sighting may precede the time it became claimable, or a holder's
-# not-before may differ from ours, before we act: watch latency, not clock skew.
-_SLACK = timedelta(seconds=2)
-# Outcomes of a holder's own write that end an attempt with the Task's backoff.
-_BACKED_OFF = ("Failed",)
 
 
-@dataclass(frozen=True, slots=True)
-class Sighting:
-    """When we first saw a Lease in its current (epoch, state), by the API server's clock:
-    what a claim's timeliness and a backoff's end are judged from, never the writer's times.
-    `witnessed`: we saw the attempt end (held, then this), not just found it so."""
-
-    epoch: int
-    state: str
-    at: datetime
-    witnessed: bool = False
 
 
 class Reconciler:
@@ -82,7 +64,7 @@ class Reconciler:
                  happy_events: bool = False, attempt_timeout_s: int | None = None,
                  rand: Callable[[], float] = random.random) -> None:
         self.kube = kube
-        self.rand = rand  # the jitter of a backoff the operator puts right (tests pin it)
+        self.settings = decision.Settings(grace_s=grace_s, attempt_timeout_s=attempt_timeout_s, rand=rand)
         self.namespaces = namespaces  # None: all
         # The API server's time: the Task's times are judged by it. A claim's sighting is
         # stamped with its latest bound (a claim is never taken for early wrongly), the rest
@@ -94,29 +76,25 @@ class Reconciler:
         self.component = component
         self.default_ttl_s = default_ttl_s  # for Tasks without spec.ttlSecondsAfterFinished
         self.workers = workers
-        self.coalesce_s = coalesce_s
         self.happy_events = happy_events
         self.active = threading.Event()
         # Set once every Task that existed when we started leading has been reconciled once.
         self.caught_up = threading.Event()
         self._backlog: set[Key] | None = None  # None: not counted yet
+        self._term = 0  # counts activations and deactivations: a seeding acts for the term it began in
         self._tasks: dict[Key, SlimTask] = {}
         self._leases: dict[Key, SlimLease] = {}
-        self._sightings: dict[Key, Sighting] = {}
+        self._sightings: dict[Key, decision.Sighting] = {}
         self._reported: dict[Key, tuple[int, frozenset[str]]] = {}  # (epoch, what) we posted an Event for
         self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
-        self._retries: dict[Key, Backoff] = {}
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
-        self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic, grace_s=grace_s)
-        self._attempts: timeouts.AttemptClock[Key] = timeouts.AttemptClock(monotonic, default_s=attempt_timeout_s)
-        self._deadlines: DeadlineQueue[Key] = DeadlineQueue()
-        self._pending: OrderedDict[Key, None] = OrderedDict()
-        self._soon: deque[tuple[float, Key]] = deque()  # coalescing: (due, key), in due order
-        self._coalescing: set[Key] = set()
-        self._inflight: set[Key] = set()
+        self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic)
+        self._attempts: timeouts.AttemptClock[Key] = timeouts.AttemptClock(monotonic)
+        self.queue: WorkQueue[Key] = WorkQueue(monotonic, coalesce_s=coalesce_s)
         self._phases: dict[Key, tuple[str, str]] = {}  # (queue, phase) as last projected
+        self._phase_values: dict[tuple[str, str], tuple[str, str]] = {}  # one tuple per value, shared by its tasks
         self._queues: set[tuple[str, str]] = set()  # (namespace, queue) seen: their series exist
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards the picture; the queue has its own
         metrics.OLDEST_PENDING.source = self.oldest_pending
         self._waits: Waits[Key] = Waits()  # for the claimable-now gauges
         metrics.CLAIMABLE.source = self.claimable
@@ -125,7 +103,7 @@ class Reconciler:
 
     def on_task(self, kind: str, obj: JSON) -> None:
         key = _key(obj)
-        with self._cond:
+        with self._lock:
             if kind == "DELETED":
                 self._tasks.pop(key, None)
                 self._set_phase(key, None)
@@ -135,12 +113,12 @@ class Reconciler:
                 if where not in self._queues:
                     self._queues.add(where)
                     metrics.known_queue(*where)
-            self._enqueue_soon(key)
+            self.queue.add_soon(key)
 
     def oldest_pending(self) -> list[tuple[str, str, float]]:
         """(namespace, queue, age in seconds of its oldest Pending task) for every known queue."""
         now = self.clock()
-        with self._cond:
+        with self._lock:
             oldest = dict.fromkeys(self._queues, 0.0)
             for key, (queue, phase) in self._phases.items():
                 task = self._tasks.get(key)
@@ -154,16 +132,16 @@ class Reconciler:
     def claimable(self) -> list[tuple[str, str, int, float]]:
         """(namespace, queue, tasks claimable now, seconds the oldest has been) for every known queue."""
         now = self.clock()
-        with self._cond:
+        with self._lock:
             pending = ((key, (key[0], queue), task.created) for key, (queue, phase) in self._phases.items()
                        if phase == Phase.PENDING.value and (task := self._tasks.get(key)) is not None)
             return self._waits.per_queue(self._queues, pending, now)
 
     def on_lease(self, kind: str, obj: JSON) -> None:
         key = _key(obj)
-        with self._cond:
+        with self._lock:
             self._apply_lease(key, kind, obj)
-            self._enqueue_soon(key)
+            self.queue.add_soon(key)
 
     def _apply_lease(self, key: Key, kind: str, obj: JSON) -> None:
         """Caller holds the lock."""
@@ -195,7 +173,7 @@ class Reconciler:
                 self._sightings.pop(key, None)
             else:
                 held = rec.state == record.HELD
-                self._sightings[key] = Sighting(
+                self._sightings[key] = decision.Sighting(
                     rec.epoch, rec.state, self.late_clock() if held else self.clock(),
                     witnessed=not held and before is not None and before.state == record.HELD
                     and before.epoch == rec.epoch)
@@ -210,7 +188,7 @@ class Reconciler:
         meta = obj["metadata"]
         pod = (meta["namespace"], meta["name"])
         alive = kind != "DELETED" and (obj.get("status") or {}).get("phase") not in _TERMINATED_POD_PHASES
-        with self._cond:
+        with self._lock:
             if alive:
                 # A new pod of the same name (a StatefulSet's) is not the one that went away.
                 self._pods_gone.alive(pod)
@@ -219,7 +197,7 @@ class Reconciler:
                 return
             for key, lease in self._leases.items():
                 if key[0] == pod[0] and lease.held_by_pod == pod[1]:
-                    self._enqueue(key)
+                    self.queue.add(key)
 
     def _holder_pod_gone(self, key: Key, rec: LeaseRecord) -> bool:
         """Caller holds the lock. True when the holder's own Pod went away (`PodsGone`)."""
@@ -228,37 +206,40 @@ class Reconciler:
                                                                first_seen=first_seen)
 
     def activate(self) -> None:
-        """Start acting (we lead): every held lease gets a full duration from now. The Leases
-        are listed once first, so no Task is judged before its Lease is known. The Tasks are
-        listed in the background (not on the election thread): `caught_up` is set once each
-        of them has been reconciled."""
+        """Start acting (we lead). Returns at once: the seeding runs on its own thread, never
+        on the election thread, whose renewals a slow list would delay (`_seed`)."""
+        with self._lock:
+            self._term += 1
+            term = self._term
+        threading.Thread(target=self._seed, args=(term,), name="seed", daemon=True).start()
+
+    def _seed(self, term: int) -> None:
+        """Every held lease gets a full duration from now. The Leases are listed once first,
+        so no Task is judged before its Lease is known; then the Tasks, page by page:
+        `caught_up` is set once each of them has been reconciled. A leadership lost meanwhile
+        (`deactivate`, a newer `activate`) ends the seeding."""
         self._seed_leases()
-        with self._cond:
+        with self._lock:
+            if term != self._term:
+                return
             self._lease_clock.restart_all()
             self.caught_up.clear()
             self._backlog = None
             self.active.set()
             metrics.LEADER.set(1)
             for key in self._tasks:  # a Lease without a Task comes back with its own next event
-                self._enqueue(key)
-        threading.Thread(target=self._seed_tasks, name="seed-tasks", daemon=True).start()
+                self.queue.add(key)
+        self._seed_tasks(term)
 
-    def _seed_tasks(self) -> None:
+    def _seed_tasks(self, term: int) -> None:
         """Count the backlog: every Task that exists now, page by page, queued for a look."""
         backlog: set[Key] = set()
         scopes: list[str | None] = [*self.namespaces] if self.namespaces else [None]
         backoff = Backoff(base_s=1.0, cap_s=_RETRY_CAP_S)
-        while self.active.is_set():
+        while self.active.is_set() and term == self._term:
             try:
                 for ns in scopes:
-                    for page in self.kube.list_pages(TASKS, namespace=ns, all_namespaces=ns is None):
-                        with self._cond:
-                            for obj in page.get("items", []):
-                                key = _key(obj)
-                                backlog.add(key)
-                                if key not in self._tasks:  # the watch may be ahead
-                                    self._tasks[key] = slim(obj)
-                                self._enqueue(key)
+                    self._seed_scope(ns, backlog)
                 break
             except errors.TaskleaseError as exc:
                 backlog.clear()
@@ -269,9 +250,33 @@ class Reconciler:
                 delay = backoff.next()
                 log.warning("listing Tasks to count the backlog failed (%s); retrying in %.1fs", exc, delay)
                 time.sleep(delay)
-        with self._cond:
-            self._backlog = {k for k in backlog if k in self._pending or k in self._inflight}
+        with self._lock:
+            if term != self._term:
+                return
+            self._backlog = {k for k in backlog if self.queue.queued(k)}
             self._check_caught_up()
+
+    def _seed_scope(self, ns: str | None, backlog: set[Key]) -> None:
+        """Queue every Task of one scope, adding its key to `backlog`. A list that outlives its
+        snapshot (a deep queue on a busy server) goes on at the server's current version, as
+        the Reflector's does: starting over could fail the same way for ever."""
+        start = ""
+        while True:
+            try:
+                for page in self.kube.list_pages(TASKS, namespace=ns, all_namespaces=ns is None, start=start):
+                    with self._lock:
+                        for obj in page.get("items", []):
+                            key = _key(obj)
+                            backlog.add(key)
+                            if key not in self._tasks:  # the watch may be ahead
+                                self._tasks[key] = slim(obj)
+                            self.queue.add(key)
+                return
+            except errors.Gone as exc:
+                if not exc.resume:
+                    raise
+                log.info("the list of Tasks for the backlog outlived its snapshot; listing the rest as they are now")
+                start = exc.resume
 
     def _check_caught_up(self) -> None:
         """Caller holds the lock."""
@@ -283,7 +288,6 @@ class Reconciler:
         for ns in scopes:
             for attempt in range(_SEED_TRIES):
                 try:
-                    # Short: on the election thread a slow answer would delay leader renewals.
                     listed = self.kube.list(LEASES, namespace=ns, all_namespaces=ns is None,
                                             label_selector=record.MANAGED_SELECTOR, timeout=_SEED_TIMEOUT_S)
                     break
@@ -292,13 +296,15 @@ class Reconciler:
                                 "; relying on the watch" if attempt + 1 == _SEED_TRIES else "; retrying")
             else:
                 continue
-            with self._cond:
+            with self._lock:
                 for obj in listed.get("items", []):
                     key = _key(obj)
                     if key not in self._leases:  # the watch may have brought a newer one already
                         self._apply_lease(key, "ADDED", obj)
 
     def deactivate(self) -> None:
+        with self._lock:
+            self._term += 1  # a seeding under way stops
         self.active.clear()
         self.caught_up.clear()
         metrics.LEADER.set(0)
@@ -315,22 +321,22 @@ class Reconciler:
 
     def _work(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            key = self._take()
+            key = self.queue.get()
             if key is None:
                 continue
+            metrics.PENDING_WORK.set(self.queue.waiting())
             try:
                 if self.active.is_set():
                     self.reconcile(key)
-                with self._cond:
-                    self._retries.pop(key, None)
+                self.queue.forget(key)
                 self.problem = ""
             except errors.Conflict:
                 # Our picture is behind; the watch brings the newer version in a moment.
-                self._retry(key, base_s=_CONFLICT_RETRY_S)
+                self.queue.retry(key, base_s=_CONFLICT_RETRY_S)
             except errors.TaskleaseError as exc:
                 if transient(exc):
                     log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
-                    self._retry(key, base_s=1.0)
+                    self.queue.retry(key, base_s=1.0)
                 elif isinstance(exc, errors.Forbidden | errors.CRDMissing) and not isinstance(exc, errors.Refused):
                     # Our rights or our CRD: every task is affected. Say so (readiness too);
                     # the task's next watch event brings it back.
@@ -342,58 +348,16 @@ class Reconciler:
             except Exception:  # noqa: BLE001 - a bug must not stop the other tasks
                 log.exception("task %s/%s: reconcile failed", *key)
             finally:
-                with self._cond:
-                    self._inflight.discard(key)
-                    if self._backlog is not None and key not in self._pending:
+                self.queue.done(key)
+                with self._lock:
+                    if self._backlog is not None and not self.queue.queued(key):
                         self._backlog.discard(key)
                         self._check_caught_up()
-                    self._cond.notify_all()
-
-    def _retry(self, key: Key, *, base_s: float) -> None:
-        with self._cond:
-            backoff = self._retries.setdefault(key, Backoff(base_s=base_s, cap_s=_RETRY_CAP_S))
-            self._deadlines.schedule(key, self.monotonic() + backoff.next())
-
-    def _take(self) -> Key | None:
-        with self._cond:
-            now = self.monotonic()
-            for due in self._deadlines.pop_due(now):
-                self._pending[due] = None
-            while self._soon and self._soon[0][0] <= now:
-                _, due = self._soon.popleft()
-                self._coalescing.discard(due)
-                self._pending[due] = None
-            for key in self._pending:
-                if key not in self._inflight:
-                    del self._pending[key]
-                    self._inflight.add(key)
-                    metrics.PENDING_WORK.set(len(self._pending))
-                    return key
-            nxt = min((t for t in (self._deadlines.next_at(), self._soon[0][0] if self._soon else None)
-                       if t is not None), default=None)
-            wait = _MAX_WAIT_S if nxt is None else min(max(nxt - self.monotonic(), 0.0), _MAX_WAIT_S)
-            self._cond.wait(wait)
-            return None
-
-    def _enqueue(self, key: Key) -> None:
-        """Caller holds the lock."""
-        self._pending[key] = None
-        self._cond.notify_all()
-
-    def _enqueue_soon(self, key: Key) -> None:
-        """Caller holds the lock. Queue `key` at the end of a coalescing window that its first
-        event opens: later events of the same window ride along."""
-        if self.coalesce_s <= 0:
-            self._enqueue(key)
-        elif key not in self._pending and key not in self._coalescing:
-            self._coalescing.add(key)
-            self._soon.append((self.monotonic() + self.coalesce_s, key))
-            self._cond.notify_all()
 
     # -- one key -------------------------------------------------------------------------------
 
     def reconcile(self, key: Key) -> None:
-        with self._cond:
+        with self._lock:
             entry, lease = self._tasks.get(key), self._leases.get(key)
         rec = lease.record() if lease is not None else None
         task = entry.json() if entry is not None else None
@@ -432,99 +396,58 @@ class Reconciler:
         log.warning("lease %s/%s: its labels were removed; putting them back", rec.namespace, rec.name)
         return self._remember(None, self.protocol.repair(TaskView.of(task), rec))
 
+    def _observed(self, key: Key, rec: LeaseRecord | None) -> decision.Observed:
+        """What our clocks saw of `rec`, from the store, for `decision`."""
+        with self._lock:
+            seen = self._lease_clock.seen(key)
+            attempt = self._attempts.sighting(key)
+            held = rec is not None and rec.state == record.HELD
+            return decision.Observed(
+                sighting=self._sightings.get(key),
+                held_since=seen.first_seen if held and seen is not None and rec is not None
+                and seen.resource_version == rec.resource_version else None,
+                silent_s=self._lease_clock.silent_for(key),
+                attempt_since=attempt.first_seen if held and attempt is not None and rec is not None
+                and attempt.epoch == rec.epoch else None,
+                pod_gone=held and rec is not None and self._holder_pod_gone(key, rec))
+
+    def _now(self) -> decision.Now:
+        return decision.Now(wall=self.clock(), mono=self.monotonic())
+
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
-        """Steps 1 and 2: at most one protocol write; returns the Lease as it now is. What to
-        do follows from why the task is not claimable (`rules.blocker`, the agents' rule)."""
-        found = blocker(view, rec, self.clock())
-        if found is Blocker.CANCELLED:
-            return self._remember(rec, self.protocol.close(view, rec, phase=Phase.CANCELLED, reason="Cancelled",
-                                                           message="cancelled on request (spec.cancel)"))
-        if found is Blocker.INVALID_PAYLOAD:
-            return self._remember(rec, self.protocol.close(view, rec, phase=Phase.FAILED, reason="InvalidPayload",
-                                                           message=invalid_payload(view.spec)))
-        if found is Blocker.PAST_DEADLINE:
-            assert view.spec.deadline is not None
-            return self._remember(rec, self.protocol.close(
-                view, rec, phase=Phase.FAILED, reason="DeadlineExceeded",
-                message=f"deadline {view.spec.deadline.isoformat()} passed"))
-        if found is Blocker.SPENT and rec is not None:
-            # maxAttempts was lowered below the attempts already made: nobody may claim it again.
-            return self._remember(rec, self.protocol.close(
-                view, rec, phase=Phase.FAILED, reason="DeadLettered",
-                message=f"all {view.spec.max_attempts} attempts are spent"))
-        key = (view.namespace, view.name)
-        with self._cond:
-            sighting = self._sightings.get(key)
-        if rec is not None and rec.state == record.FREE and sighting is not None and sighting.state == record.FREE:
-            backoff_end = self._backoff_end(view, rec, sighting)
-            if backoff_end is not None:
-                log.info("task %s/%s: backoff of attempt %d set to end %s (the holder wrote %s)", view.namespace,
-                         view.name, rec.epoch, timestamps.format_time(backoff_end),
-                         timestamps.format_time(rec.not_before))
-                return self._remember(rec, self.protocol.reschedule(rec, backoff_end))
-        if rec is None or rec.state != record.HELD or found not in (Blocker.HELD, Blocker.SCHEDULED):
-            return rec  # claimable, backing off, or finished for good (I4)
-        early = self._early(view, rec, sighting)
-        if early is not None:
-            why, not_before = early
+        """Steps 1 and 2: at most one protocol write (`decision.decide`); returns the Lease as it now is."""
+        action = decision.decide(view, rec, self._observed((view.namespace, view.name), rec), self._now(),
+                                 self.settings)
+        if action is None:
+            return rec
+        if isinstance(action, decision.Close):
+            return self._remember(rec, self.protocol.close(view, rec, phase=action.phase, reason=action.reason,
+                                                           message=action.message))
+        assert rec is not None  # every other action changes a Lease that exists
+        if isinstance(action, decision.Reschedule):
+            log.info("task %s/%s: backoff of attempt %d set to end %s (the holder wrote %s)", view.namespace,
+                     view.name, rec.epoch, timestamps.format_time(action.not_before),
+                     timestamps.format_time(rec.not_before))
+            return self._remember(rec, self.protocol.reschedule(rec, action.not_before))
+        if isinstance(action, decision.Undo):
             log.warning("task %s/%s: undoing attempt %d of %s: %s", view.namespace, view.name, rec.epoch,
-                        rec.holder, why)
-            return self._remember(rec, self.protocol.undo(rec, why, not_before=not_before))
-        with self._cond:
-            pod_gone = self._holder_pod_gone(key, rec)
-            timed_out = self._lease_clock.expired(key, rec.resource_version, view.spec.lease_duration_seconds)
-            silent = self._lease_clock.silent_for(key)
-        if not (pod_gone or timed_out):
-            with self._cond:
-                overran = self._attempts.overran(key, rec, view.spec)
-            if overran is None:
-                return rec
-            return self._remember(rec, timeouts.time_out(self.protocol, view, rec, overran, self._attempts.default_s))
-        cause = "pod-gone" if pod_gone else "timeout"
+                        rec.holder, action.why)
+            return self._remember(rec, self.protocol.undo(rec, action.why, not_before=action.not_before))
+        if isinstance(action, decision.TimeOut):
+            return self._remember(rec, timeouts.time_out(self.protocol, view, rec, action.ran_s,
+                                                         self.settings.attempt_timeout_s))
         written = self.protocol.expire(view, rec)
-        metrics.EXPIRATIONS.labels(view.namespace, view.spec.queue, cause).inc()
-        metrics.TIME_TO_REQUEUE.labels(cause).observe(silent)
+        metrics.EXPIRATIONS.labels(view.namespace, view.spec.queue, action.cause).inc()
+        metrics.TIME_TO_REQUEUE.labels(action.cause).observe(action.silent_s)
         log.info("task %s/%s: expired attempt %d of %s (%s, silent %.1fs)", view.namespace, view.name, rec.epoch,
-                 rec.holder, cause, silent)
+                 rec.holder, action.cause, action.silent_s)
         return self._remember(rec, written)
-
-    def _backoff_end(self, view: TaskView, rec: LeaseRecord, sighting: Sighting) -> datetime | None:
-        """The end of a free Lease's backoff by our clock, when the one it says lies outside the
-        Task's (jittered) backoff window by more than `_SLACK`; None when it is inside. The holder
-        that failed wrote not-before with its clock: we measure the Task's backoff from when we
-        saw the attempt end. A Lease found free (we did not see the attempt end) keeps its
-        not-before, but no later than a backoff from when we found it."""
-        last = rec.history[-1] if rec.history else None
-        if last is None or last.attempt != rec.epoch or last.outcome not in _BACKED_OFF or sighting.epoch != rec.epoch:
-            return None
-        backoff, attempt = view.spec.backoff, rec.epoch - rec.budget_from
-
-        def end(rand: Callable[[], float]) -> datetime:
-            at = sighting.at + timedelta(seconds=backoff.jittered(attempt, rand))
-            return max(at, view.spec.not_before) if view.spec.not_before is not None else at
-        earliest, latest = end(lambda: 0.0), end(lambda: 1.0)
-        if not sighting.witnessed:
-            if rec.not_before is None or rec.not_before <= latest + _SLACK:
-                return None
-        elif rec.not_before is not None and earliest - _SLACK <= rec.not_before <= latest + _SLACK:
-            return None
-        return end(self.rand)
-
-    def _early(self, view: TaskView, rec: LeaseRecord, sighting: Sighting | None) -> tuple[str, datetime] | None:
-        """(why, when it may start) when the claim that `rec` holds was first seen (by the
-        API server's clock) before its task was claimable: before spec.notBefore."""
-        if sighting is None or (sighting.epoch, sighting.state) != (rec.epoch, record.HELD):
-            return None
-        start = view.spec.not_before
-        if start is not None and sighting.at + _SLACK < start:
-            return f"claimed before spec.notBefore {timestamps.format_time(start)}", start
-        return None
 
     def _report_malformed(self, task: JSON, rec: LeaseRecord) -> None:
         """A Warning Event on the Task naming what could not be read: once per attempt and
         kind of problem (our own write-back of the same Lease is not news)."""
         key = (rec.namespace, rec.name)
-        with self._cond:
+        with self._lock:
             epoch, told = self._reported.get(key, (rec.epoch, frozenset()))
             told = told if epoch == rec.epoch else frozenset()
             if told.issuperset(rec.malformed):
@@ -542,7 +465,7 @@ class Reconciler:
         now = self.clock()
         new = projection.project(task, rec, old=old, now=now)
         queue = entry.queue
-        with self._cond:
+        with self._lock:
             self._set_phase(key, (queue, new.phase.value))
             self._waits.note(key, TaskView.of(task), rec, pending=new.phase is Phase.PENDING, now=now)
         if (task.get("status") and projection.same(old, new)) or projection.unwritten(old, new):
@@ -555,7 +478,7 @@ class Reconciler:
             raise
         except errors.NotFound:
             # Gone while we looked (a relist may not report it as deleted): forget it.
-            with self._cond:
+            with self._lock:
                 if self._tasks.get(key) is entry:
                     self._tasks.pop(key)
                     self._set_phase(key, None)
@@ -564,7 +487,7 @@ class Reconciler:
             metrics.STATUS_WRITES.labels("error").inc()
             raise
         metrics.STATUS_WRITES.labels("ok").inc()
-        with self._cond:
+        with self._lock:
             # Keep our write only if the watch has not brought anything newer meanwhile
             # (a cancel made right after our write must not be hidden by it).
             if self._tasks.get(key) is entry:
@@ -610,7 +533,7 @@ class Reconciler:
         """Delete a finished Task whose TTL ran out (its Lease follows: the garbage collector,
         or our orphan removal when the deletion comes back through the watch). True when
         deleted. Conditional on the Task as we know it: a Task changed meanwhile is kept."""
-        with self._cond:
+        with self._lock:
             entry = self._tasks.get(key)
         if entry is None:
             return False
@@ -631,34 +554,20 @@ class Reconciler:
         return True
 
     def _schedule(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> None:
-        """Step 4: when this key needs a look without any event."""
-        wakes: list[float] = []
-        now, mono = self.clock(), self.monotonic()
-        with self._cond:
+        """Step 4: when this key needs a look without any event (`decision.next_look`)."""
+        with self._lock:
             entry = self._tasks.get(key)
         status = models.TaskStatus.model_validate((entry.json() if entry else {}).get("status") or {})
-        # A delayed start ends: project it (the Task event wakes waiting agents); a TTL runs out.
-        for when in (view.spec.not_before if rec is None or rec.state != record.CLOSED else None,
-                     cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)):
-            if when is not None and when > now:
-                wakes.append(mono + (when - now).total_seconds())
-        with self._cond:
-            if rec is not None and rec.state == record.HELD:
-                at = self._lease_clock.expires_at(key, view.spec.lease_duration_seconds)
-                if at is not None:
-                    wakes.append(at)
-                if (due := self._attempts.due_at(key, rec, view.spec)) is not None:
-                    wakes.append(due)
-            if view.spec.deadline is not None and (rec is None or rec.state != record.CLOSED):
-                wakes.append(self.monotonic() + max((view.spec.deadline - self.clock()).total_seconds(), 0.0))
-            if wakes:
-                self._deadlines.schedule(key, min(wakes))
+        delete_at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
+        at = decision.next_look(view, rec, self._observed(key, rec), self._now(), self.settings, delete_at=delete_at)
+        if at is not None:
+            self.queue.add_at(key, at)
 
     def _remember(self, before: LeaseRecord | None, after: LeaseRecord) -> LeaseRecord:
         """Cache our own write, unless the watch already brought something newer (say, the
         next claim): that must keep its own observation time, or it would never expire."""
         key = (after.namespace, after.name)
-        with self._cond:
+        with self._lock:
             current = self._leases.get(key)
             if current is None or before is None or current.resource_version == before.resource_version:
                 self._cache(key, after)
@@ -672,7 +581,7 @@ class Reconciler:
         if before is not None:
             metrics.TASKS.labels(key[0], *before).dec()
         if value is not None:
-            self._phases[key] = value
+            self._phases[key] = self._phase_values.setdefault(value, value)
             metrics.TASKS.labels(key[0], *value).inc()
 
 

@@ -43,9 +43,8 @@ def limit_s(spec: models.TaskSpec, default_s: int | None) -> int | None:
 class AttemptClock(Generic[K]):
     """Per held lease: which attempt (epoch) we saw claimed, and since when."""
 
-    def __init__(self, monotonic: Monotonic, *, default_s: int | None = None) -> None:
+    def __init__(self, monotonic: Monotonic) -> None:
         self.monotonic = monotonic
-        self.default_s = default_s
         self._seen: dict[K, Sighting] = {}
 
     def observe(self, key: K, rec: LeaseRecord) -> None:
@@ -59,21 +58,9 @@ class AttemptClock(Generic[K]):
     def forget(self, key: K) -> None:
         self._seen.pop(key, None)
 
-    def due_at(self, key: K, rec: LeaseRecord, spec: models.TaskSpec) -> float | None:
-        """When (monotonic) the attempt `rec` holds runs out; None without a timeout or a sighting."""
-        limit = limit_s(spec, self.default_s)
-        seen = self._seen.get(key)
-        if limit is None or seen is None or seen.epoch != rec.epoch:
-            return None
-        return seen.first_seen + limit
-
-    def overran(self, key: K, rec: LeaseRecord, spec: models.TaskSpec) -> float | None:
-        """Seconds the attempt `rec` holds has run, once past its timeout; None while within it."""
-        due = self.due_at(key, rec, spec)
-        now = self.monotonic()
-        if due is None or now < due:
-            return None
-        return now - self._seen[key].first_seen
+    def sighting(self, key: K) -> Sighting | None:
+        """Which attempt of `key` we saw claimed, and since when; None if none runs."""
+        return self._seen.get(key)
 
 
 def time_out(protocol: Protocol, view: TaskView, rec: LeaseRecord, ran_s: float,
