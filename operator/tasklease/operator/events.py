@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 
 from tasklease.api import errors, models
 from tasklease.kube import EVENTS, JSON, Kube
@@ -11,10 +12,12 @@ from tasklease.operator import metrics
 log = logging.getLogger("tasklease.operator")
 
 
-def post(kube: Kube, task: JSON, type_: str, reason: str, message: str, *, component: str) -> None:
-    """One Event on `task`; a failure to post is logged, never raised (an Event is news, not state)."""
+def post(kube: Kube, task: JSON, type_: str, reason: str, message: str, *, component: str,
+         now: datetime | None = None) -> None:
+    """One Event on `task`, stamped `now` (the poster's clock; the server's by default); a failure
+    to post is logged, never raised (an Event is news, not state)."""
     meta = task["metadata"]
-    now = kube.now().strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = (now or kube.now()).strftime("%Y-%m-%dT%H:%M:%SZ")
     event = {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
@@ -23,7 +26,7 @@ def post(kube: Kube, task: JSON, type_: str, reason: str, message: str, *, compo
                            "resourceVersion": meta["resourceVersion"]},
         "reason": reason, "message": message[:1024], "type": type_,
         "source": {"component": component}, "reportingComponent": component,
-        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
     }
     try:
         kube.create(EVENTS, event, namespace=meta["namespace"])

@@ -33,13 +33,13 @@ from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
-from tasklease.operator import cleanup, decision, metrics, projection, timeouts
+from tasklease.operator import cleanup, decision, events, metrics, projection, timeouts
 from tasklease.operator.claimable import Waits
 from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
 from tasklease.protocol import record
 from tasklease.operator.expiry import LeaseClock, Monotonic, PodsGone
 from tasklease.operator.workqueue import WorkQueue
-from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
+from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import LeaseRecord, Protocol, TaskView
 from tasklease.api.models import Phase
 
@@ -512,22 +512,7 @@ class Reconciler:
             log.debug("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
             return
         log.info("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
-        now = self.clock().strftime("%Y-%m-%dT%H:%M:%SZ")
-        event = {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
-                               "name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"],
-                               "resourceVersion": meta["resourceVersion"]},
-            "reason": t.reason, "message": t.message[:1024], "type": t.type,
-            "source": {"component": self.component}, "reportingComponent": self.component,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        }
-        try:
-            self.kube.create(EVENTS, event, namespace=meta["namespace"])
-            metrics.EVENTS_POSTED.inc()
-        except errors.TaskleaseError as exc:
-            log.warning("could not post event %s on %s/%s: %s", t.reason, meta["namespace"], meta["name"], exc)
+        events.post(self.kube, task, t.type, t.reason, t.message, component=self.component, now=self.clock())
 
     def _clean_up(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> bool:
         """Delete a finished Task whose TTL ran out (its Lease follows: the garbage collector,
