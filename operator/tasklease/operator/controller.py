@@ -49,6 +49,7 @@ from tasklease.kube.watching import Reflector
 from tasklease.operator.health import CRD_NAME, Health, WatchHealth
 from tasklease.operator.leader import ElectionConfig, LeaderElector
 from tasklease.operator.options import validate
+from tasklease.operator.queues import QueueController
 from tasklease.operator.reconciler import Reconciler
 
 log = logging.getLogger("tasklease.operator")
@@ -67,6 +68,7 @@ def run_operator(args: argparse.Namespace) -> int:
     reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
                             default_ttl_s=args.ttl_seconds_after_finished, coalesce_s=args.coalesce,
                             happy_events=args.events == "all", attempt_timeout_s=args.attempt_timeout)
+    queues = QueueController(kube, claimable=reconciler.claimable, active=reconciler.active)
     stop = threading.Event()
     ready = threading.Event()
     elector = None
@@ -85,6 +87,7 @@ def run_operator(args: argparse.Namespace) -> int:
     server = _serve_http(args.http_host, args.http_port, ready, health) if args.http_port else None
     workers.start()
     threading.Thread(target=health.run, args=(stop,), name="health", daemon=True).start()
+    threading.Thread(target=queues.run, args=(stop,), name="queues", daemon=True).start()
     if elector is not None:
         elector.start()
     else:
@@ -93,7 +96,7 @@ def run_operator(args: argparse.Namespace) -> int:
              "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
-        while _run_watches(reconciler, kube, args, ready, identity, health):
+        while _run_watches(reconciler, queues, kube, args, ready, identity, health):
             ready.clear()
             health.watches.reset()  # what the old watches could not do says nothing of the new ones
     finally:
@@ -110,8 +113,8 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, ready: threading.Event,
-                 identity: str, health: Health) -> bool:
+def _run_watches(reconciler: Reconciler, queues: QueueController, kube: Kube, args: argparse.Namespace,
+                 ready: threading.Event, identity: str, health: Health) -> bool:
     """Run our Task and Lease watches and kopf until SIGTERM/SIGINT (False) or until the
     watches must start over (True): the Task CRD was recreated, or a stopped watch can work."""
     # An asyncio.Event on our own loop, not a threading.Event or a concurrent Future: kopf
@@ -125,8 +128,10 @@ def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, r
         restart.set()
         loop.call_soon_threadsafe(stop.set)
     health.restart_watches = restart_watches
-    reflectors = _reflectors(reconciler, kube, args.namespaces, health)
+    reflectors = _reflectors(reconciler, queues, kube, args.namespaces, health)
     health.watches.track(reflectors)
+    # TaskQueues and slots: optional (an install without the TaskQueue CRD runs without them).
+    reflectors += [r for ns in (args.namespaces or [None]) for r in queues.reflectors(ns)]
     for r in reflectors:
         r.start()
     registry = _registry(reconciler, kube, health)
@@ -153,7 +158,8 @@ def _run_watches(reconciler: Reconciler, kube: Kube, args: argparse.Namespace, r
     return restart.is_set()
 
 
-def _reflectors(reconciler: Reconciler, kube: Kube, namespaces: list[str] | None, health: Health) -> list[Reflector]:
+def _reflectors(reconciler: Reconciler, queues: QueueController, kube: Kube, namespaces: list[str] | None,
+                health: Health) -> list[Reflector]:
     """Tasks and Leases (ours only), per namespace or cluster-wide: paginated lists, then watches."""
     def on_task(kind: str, obj: JSON) -> None:
         health.watches.event()
@@ -162,6 +168,7 @@ def _reflectors(reconciler: Reconciler, kube: Kube, namespaces: list[str] | None
     def on_lease(kind: str, obj: JSON) -> None:
         health.watches.event()
         reconciler.on_lease(kind, obj)
+        queues.on_lease(kind, obj)
     scopes: list[str | None] = [*namespaces] if namespaces else [None]
     return [r for ns in scopes for r in (
         Reflector(kube, TASKS, namespace=ns, listener=on_task, keep_objects=False),

@@ -336,7 +336,8 @@ def _slot() -> list[dict[str, str]]:
           f"a slot Lease is labelled {slot_of}=<queue> and named {slots.PREFIX}<queue>.<number>"),
         s(f"oldObject == null || {_label(slot_of)} == {_label(slot_of, 'oldLabels')}",
           f"the label {slot_of} cannot change"),
-        s(f"!({_str(record.LABEL_MANAGED)} in variables.labels) && !({_str(members.LABEL_AGENT_OF)} in variables.labels)",
+        s(f"!({_str(record.LABEL_MANAGED)} in variables.labels) && "
+          f"!({_str(members.LABEL_AGENT_OF)} in variables.labels)",
           "a slot Lease is no task's Lease and no member Lease"),
         s("size(variables.owners) == 0", "a slot Lease has no ownerReferences"),
         s(f"has(object.spec.leaseDurationSeconds) && object.spec.leaseDurationSeconds == {slots.DURATION_S}",
