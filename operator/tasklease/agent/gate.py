@@ -67,7 +67,7 @@ class QueueGate:
         self._watches = [
             Reflector(kube, TASKQUEUES, namespace=namespace, listener=self._on_queue,
                       field_selector=f"metadata.name={queue}"),
-            Reflector(kube, LEASES, namespace=namespace, listener=self._on_slot, keep_objects=False,
+            Reflector(kube, LEASES, namespace=namespace, listener=self._on_slot,
                       label_selector=slots.selector(queue))]
 
     def start(self) -> None:

@@ -90,7 +90,7 @@ class QueueController:
 
     def reflectors(self, namespace: str | None) -> list[Reflector]:
         return [Reflector(self.kube, TASKQUEUES, namespace=namespace, listener=self.on_queue),
-                Reflector(self.kube, LEASES, namespace=namespace, listener=self.on_slot, keep_objects=False,
+                Reflector(self.kube, LEASES, namespace=namespace, listener=self.on_slot,
                           label_selector=slots.selector())]
 
     def on_queue(self, kind: str, obj: JSON) -> None:
