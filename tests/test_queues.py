@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from conftest import Cluster, Operator, agent_pod_kubeconfig, make_task, read_audit, tasklease_cmd, wait_for
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.api import errors, queues
+from tasklease.operator.queues import PAUSE_GRACE_S
 from tasklease.kube import EVENTS, LEASES, TASKQUEUES, TASKS, Kube
 from tasklease.protocol import Protocol, TaskView, record, slots
 
@@ -120,6 +122,7 @@ def test_the_operator_takes_back_claims_that_ignore_the_controls(
     rogue = Protocol(kube)
     wait_for(lambda: kube.get(TASKQUEUES, "stopped").get("status", {}).get("observedGeneration"),
              message="the operator to see the paused queue")
+    time.sleep(PAUSE_GRACE_S)  # a claim within the grace after the pause may have been in flight: tolerated
     held = [rogue.claim(TaskView.of(kube.get(TASKS, n)), None, "rogue/1") for n in ("g-1", "g-2", "s-1")]
     assert all(h.epoch == 1 for h in held)
 
@@ -188,7 +191,7 @@ def test_status_columns_and_events(cluster: Cluster, kube: Kube, namespace: str,
         assert header == ["NAME", "PAUSED", "MAX-RUNNING", "RATE", "RUNNING", "CLAIMABLE", "PENDING",
                           "OLDEST-CLAIMABLE", "AGE"]
         row = cluster.kubectl("get", "tq", "shop", "-n", namespace, "--no-headers").stdout.split()
-        assert row[:7] == ["shop", "false", "1", "<none>", "1", "2", "2"], row
+        assert row[:6] == ["shop", "false", "1", "1", "2", "2"], row  # no rate: an empty cell
 
         top = _cli(cluster, namespace, "top", "--once")
         line = next(ln.split() for ln in top.stdout.splitlines() if " shop " in f" {ln} ")
