@@ -1,7 +1,8 @@
 """A queue's controls (its TaskQueue) as an agent obeys them before each claim.
 
 `QueueGate.admit` says whether a claim may be tried now: not while the queue is paused,
-not without a slot of the queue's semaphore (`protocol.slots`) when it has `maxRunning`.
+not before a token of its claim rate (`protocol.rate`), not without a slot of the queue's
+semaphore (`protocol.slots`) when it has `maxRunning`.
 Two watches (the TaskQueue, the queue's slot Leases) keep the picture: an agent that waits
 for a slot makes no request until one is free. A slot stays bound to the claim made under
 it until that claim ends; the next claim reuses it (written again first, when it is no
@@ -25,7 +26,7 @@ from tasklease.api import errors
 from tasklease.api.queues import TaskQueueSpec
 from tasklease.kube import JSON, LEASES, TASKQUEUES, Kube
 from tasklease.kube.watching import Reflector
-from tasklease.protocol import slots
+from tasklease.protocol import rate, slots
 from tasklease.protocol.slots import Slot
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,13 @@ class QueueGate:
             spec = self._spec
             if spec.paused:
                 return Admission(WAIT_S, f"queue {self.queue} is paused")
-            if spec.max_running is None:
-                return Admission()
+        if spec.claims_per_second is not None:
+            wait = rate.take(self.kube, namespace=self.namespace, queue=self.queue, rate=spec.claims_per_second)
+            if wait > 0:
+                return Admission(min(wait, WAIT_S), f"queue {self.queue} is at its claim rate")
+        if spec.max_running is None:
+            return Admission()
+        with self._lock:
             spare = next((b for b in self._mine if b.spare), None)
             if spare is not None:
                 spare.reserved, spare.claim = True, None
@@ -199,6 +205,9 @@ def admit_once(kube: Kube, *, namespace: str, queue: str, holder: str) -> Slot |
         return None
     if spec.paused:
         raise errors.NothingToClaim(f"queue {queue!r} is paused")
+    if spec.claims_per_second is not None and rate.take(kube, namespace=namespace, queue=queue,
+                                                         rate=spec.claims_per_second):
+        raise errors.NothingToClaim(f"queue {queue!r} is at its claim rate ({spec.claims_per_second:g}/s)")
     if spec.max_running is None:
         return None
     known = [s for o in kube.list(LEASES, namespace=namespace, label_selector=slots.selector(queue))["items"]

@@ -7,6 +7,8 @@ so the operator checks what they did, each decision by its own observations:
   (`Protocol.undo`: free again, the attempt not counted);
 - with `spec.maxRunning`, a holder holding more task Leases of the queue than slots
   (`protocol.slots`) for `slots.STALE_S` loses its newest claims the same way;
+- with `spec.claimsPerSecond`, claims it sees beyond the rate over `RATE_WINDOW_S` (plus
+  one second's burst and `RATE_SLACK_S` of watch delay) are taken back, newest first;
 - a slot held beyond its holder's task Leases, unwritten for `slots.STALE_S`, is freed
   (its agent died or did not give it back), after a fresh read of the queue's Leases.
 
@@ -25,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -35,7 +38,7 @@ from tasklease.api.queues import TaskQueueSpec, TaskQueueStatus
 from tasklease.kube import EVENTS, JSON, LEASES, TASKQUEUES, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.operator import metrics
-from tasklease.protocol import HELD, Protocol, record, slots
+from tasklease.protocol import HELD, Protocol, rate, record, slots
 from tasklease.protocol.slots import Slot
 
 log = logging.getLogger("tasklease.operator")
@@ -44,6 +47,8 @@ Where = tuple[str, str]  # (namespace, queue)
 PAUSE_GRACE_S = 2.0  # a claim in flight when the pause was made may land this long after we saw it
 STATUS_PERIOD_S = 1.0
 TICK_S = 0.5
+RATE_WINDOW_S = 10.0
+RATE_SLACK_S = 2.0  # claims that reach us late arrive together: never take an honest fleet's for a breach
 _SINCE_SLACK_S = 2.0
 
 
@@ -85,6 +90,7 @@ class QueueController:
         self._held: dict[tuple[str, str], _Held] = {}  # (namespace, lease name) → claim, held leases only
         self._slots: dict[tuple[str, str], tuple[Slot, float]] = {}  # → (slot, when this version was first seen)
         self._uncovered_since: dict[tuple[str, str, str], float] = {}  # (ns, queue, holder) → monotonic
+        self._claims: dict[Where, deque[tuple[tuple[str, str], _Held]]] = {}  # claims seen, oldest first
 
     # -- intake ------------------------------------------------------------------------------
 
@@ -133,7 +139,9 @@ class QueueController:
             if kind == "DELETED" or rec.state != HELD:
                 self._held.pop(key, None)
             elif before is None or (before.holder, before.epoch) != (rec.holder, rec.epoch):
-                self._held[key] = _Held(rec.queue, rec.holder, rec.epoch, self.monotonic())
+                claim = self._held[key] = _Held(rec.queue, rec.holder, rec.epoch, self.monotonic())
+                if (rec.namespace, rec.queue) in self._queues:
+                    self._claims.setdefault((rec.namespace, rec.queue), deque()).append((key, claim))
 
     def on_slot(self, kind: str, obj: JSON) -> None:
         slot = slots.decode(obj)
@@ -182,6 +190,7 @@ class QueueController:
                     self._undo(q, key, h, f"claimed while queue {name} is paused")
         if spec.max_running is not None:
             self._police_limit(q, where, held, queue_slots, now)
+        self._police_rate(q, where, spec.claims_per_second, now)
         running = len(held)
         at_limit = spec.max_running is not None and running >= spec.max_running and claimable[0] > 0
         with self._lock:
@@ -242,6 +251,23 @@ class QueueController:
                 spare[slot.holder] -= 1
                 log.info("queue %s/%s: freed slot %s of %s (no task of its holder needs it)", ns, name, slot.name,
                          slot.holder)
+
+    def _police_rate(self, q: _Queue, where: Where, per_s: float | None, now: float) -> None:
+        with self._lock:
+            seen = self._claims.get(where)
+            if seen is None:
+                return
+            while seen and now - seen[0][1].seen > RATE_WINDOW_S:
+                seen.popleft()
+            if per_s is None:
+                seen.clear()
+                return
+            allowed = int(per_s * (RATE_WINDOW_S + rate.BURST_S + RATE_SLACK_S))
+            excess = list(seen)[allowed:]
+            for item in excess:
+                seen.remove(item)  # judged once
+        for key, claim in reversed(excess):
+            self._undo(q, key, claim, f"claimed beyond queue {where[1]}'s rate of {per_s:g} claims per second")
 
     def _undo(self, q: _Queue, key: tuple[str, str], h: _Held, why: str) -> None:
         rec = self.protocol.read(*key)

@@ -323,7 +323,8 @@ def _member() -> list[dict[str, str]]:
 
 
 def _slot() -> list[dict[str, str]]:
-    """A slot Lease (`protocol.slots`): held only in the agent's own pod's name (`_common`), and nothing else."""
+    """A slot Lease (`protocol.slots`, and the claim rate's `protocol.rate`): held only in the agent's
+    own pod's name (`_common`), and nothing else."""
     def s(expression: str, message: str) -> dict[str, str]:
         return _validation(f"!variables.slot || ({expression})", message)
 
@@ -332,8 +333,9 @@ def _slot() -> list[dict[str, str]]:
     return [
         s(f"{_label(slot_of)}.matches({_raw(models.DNS_LABEL)}) && size({_label(slot_of)}) <= {_QUEUE_MAX} && "
           f"object.metadata.name.startsWith({prefix}) && "
-          f"object.metadata.name.substring(size({prefix})).matches('^[0-9]{{1,5}}$')",
-          f"a slot Lease is labelled {slot_of}=<queue> and named {slots.PREFIX}<queue>.<number>"),
+          f"object.metadata.name.substring(size({prefix})).matches('^([0-9]{{1,5}}|rate)$')",
+          f"a slot Lease is labelled {slot_of}=<queue> and named {slots.PREFIX}<queue>.<number> "
+          "(or .rate: the queue's claim rate)"),
         s(f"oldObject == null || {_label(slot_of)} == {_label(slot_of, 'oldLabels')}",
           f"the label {slot_of} cannot change"),
         s(f"!({_str(record.LABEL_MANAGED)} in variables.labels) && "
