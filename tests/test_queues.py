@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.api import errors, queues
 from tasklease.operator.queues import PAUSE_GRACE_S
 from tasklease.kube import EVENTS, LEASES, TASKQUEUES, TASKS, Kube
-from tasklease.protocol import Protocol, TaskView, record, slots
+from tasklease.protocol import Protocol, TaskView, rate, record, slots
 
 
 def _queue(kube: Kube, name: str, **spec: Any) -> dict[str, Any]:
@@ -202,3 +203,43 @@ def test_status_columns_and_events(cluster: Cluster, kube: Kube, namespace: str,
     wait_for(lambda: queues.PAUSED in _events(kube, "shop"), message="Paused")
     assert _cli(cluster, namespace, "resume", "shop").returncode == 0
     wait_for(lambda: queues.RESUMED in _events(kube, "shop"), message="Resumed")
+
+
+def test_claims_per_second_bounds_the_claims_of_every_agent(cluster: Cluster, namespace: str,
+                                                            audit_log: Path) -> None:
+    per_s, total = 4.0, 16
+    admin = cluster.kube(namespace)
+    _queue(admin, "paced", claimsPerSecond=per_s)
+    for i in range(total):
+        make_task(admin, f"r-{i:02d}", queue="paced")
+    stop, lock, done = threading.Event(), threading.Lock(), [0]
+
+    def handler(task: ClaimedTask) -> str:
+        with lock:
+            done[0] += 1
+            if done[0] >= total:
+                stop.set()
+        return "ok"
+
+    agents = [Agent(cluster.kube(namespace), identity=Identity(pod=f"pacer-{i}", instance="a")) for i in range(4)]
+    threads = [threading.Thread(target=a.work, args=("paced", handler), kwargs={"stop": stop}) for a in agents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for a in agents:
+        a.close()
+    assert done[0] == total
+    # The claims, by the API server's clock: a burst of one second's claims, then one per 1/rate.
+    claims = sorted(datetime.fromisoformat(e["stageTimestamp"]).timestamp()
+                    for e in read_audit(audit_log, namespace=namespace, resource="leases")
+                    if e["verb"] in ("create", "patch", "update") and e["responseStatus"]["code"] in (200, 201)
+                    and (e["responseObject"]["metadata"].get("labels") or {}).get(record.LABEL_STATE) == record.HELD
+                    and e["responseObject"]["spec"].get("leaseTransitions") == 1)
+    assert len(claims) == total
+    for i, start in enumerate(claims):
+        in_a_second = sum(1 for t in claims[i:] if t - start < 1.0)
+        # A bucket allows its burst and a second's claims within any second (and one at its edge).
+        assert in_a_second <= per_s * (rate.BURST_S + 1) + 1, f"{in_a_second} claims within a second"
+    span = claims[-1] - claims[0]
+    assert span >= (total - per_s * rate.BURST_S - 1) / per_s, f"{total} claims in {span:.2f}s"

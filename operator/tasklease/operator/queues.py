@@ -90,6 +90,7 @@ class QueueController:
         self._held: dict[tuple[str, str], _Held] = {}  # (namespace, lease name) → claim, held leases only
         self._slots: dict[tuple[str, str], tuple[Slot, float]] = {}  # → (slot, when this version was first seen)
         self._uncovered_since: dict[tuple[str, str, str], float] = {}  # (ns, queue, holder) → monotonic
+        self._started = monotonic()
         self._claims: dict[Where, deque[tuple[tuple[str, str], _Held]]] = {}  # claims seen, oldest first
 
     # -- intake ------------------------------------------------------------------------------
@@ -140,7 +141,8 @@ class QueueController:
                 self._held.pop(key, None)
             elif before is None or (before.holder, before.epoch) != (rec.holder, rec.epoch):
                 claim = self._held[key] = _Held(rec.queue, rec.holder, rec.epoch, self.monotonic())
-                if (rec.namespace, rec.queue) in self._queues:
+                # The first list (at start, or after a relist) is no news of claims: only later ones count.
+                if (rec.namespace, rec.queue) in self._queues and claim.seen - self._started > RATE_WINDOW_S:
                     self._claims.setdefault((rec.namespace, rec.queue), deque()).append((key, claim))
 
     def on_slot(self, kind: str, obj: JSON) -> None:
