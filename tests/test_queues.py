@@ -165,7 +165,8 @@ def test_agents_may_hold_slots_only_in_their_own_name(
     mine = slots.acquire(alice, [], namespace=namespace, queue="shared", holder="alice/1", limit=1)
     assert mine is not None
     # Bob cannot free Alice's slot, nor take it, nor make one outside the semaphore's names.
-    assert "held by another pod" in refusal(lambda: bob.merge_patch(LEASES, mine.name, {"spec": {"holderIdentity": None}}))
+    assert "held by another pod" in refusal(
+        lambda: bob.merge_patch(LEASES, mine.name, {"spec": {"holderIdentity": None}}))
     assert "held by another pod" in refusal(
         lambda: bob.merge_patch(LEASES, mine.name, {"spec": {"holderIdentity": "bob/1"}}))
     odd = {**forged, "metadata": {"name": "tasklease-slot.other.0", "labels": {slots.LABEL_SLOT_OF: "shared"}},

@@ -18,7 +18,8 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def _slot(index: int, holder: str = "", queue: str = "q") -> Slot:
-    return Slot(name=slots.slot_name(queue, index), namespace="ns", queue=queue, index=index, holder=holder, version="1")
+    return Slot(name=slots.slot_name(queue, index), namespace="ns", queue=queue, index=index, holder=holder,
+                version="1")
 
 
 def test_free_slots_are_those_below_the_limit_no_one_holds() -> None:
