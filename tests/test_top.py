@@ -106,5 +106,5 @@ def test_top_once_across_all_namespaces(cluster: Cluster, kube: Kube, namespace:
                          env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)})
     assert out.returncode == 0, out.stderr
     assert "tasklease top - all namespaces" in out.stdout
-    assert [namespace, "span", "1", "0"] == next(
-        line.split()[:4] for line in out.stdout.splitlines() if line.startswith(namespace))
+    assert [namespace, "span", "-", "1", "0"] == next(  # "-": no TaskQueue, no controls
+        line.split()[:5] for line in out.stdout.splitlines() if line.startswith(namespace))
