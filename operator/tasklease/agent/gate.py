@@ -2,11 +2,11 @@
 
 `QueueGate.admit` says whether a claim may be tried now: not while the queue is paused,
 not before a token of its claim rate (`protocol.rate`), not without a slot of the queue's
-semaphore (`protocol.slots`) when it has `maxRunning`.
-Two watches (the TaskQueue, the queue's slot Leases) keep the picture: an agent that waits
-for a slot makes no request until one is free. A slot stays bound to the claim made under
-it until that claim ends; the next claim reuses it (written again first, when it is no
-longer fresh), and `trim` gives back the ones no claim uses once there is nothing to claim.
+semaphore (`protocol.slots`) when it has `maxRunning`. A watch of the one TaskQueue keeps
+the picture, and under `maxRunning` one of the queue's slot Leases: an agent that waits for
+a slot makes no request until one is free. A slot stays bound to the claim made under it
+until that claim ends; the next claim reuses it (written again first, when it is no longer
+fresh), and `trim` gives back the ones no claim uses once there is nothing to claim.
 
 Without a TaskQueue (or without the TaskQueue CRD) the gate admits every claim.
 """
@@ -65,26 +65,33 @@ class QueueGate:
         self._spec = TaskQueueSpec()
         self._slots: dict[str, Slot] = {}
         self._mine: list[_Bound] = []
-        self._watches = [
-            Reflector(kube, TASKQUEUES, namespace=namespace, listener=self._on_queue,
-                      field_selector=f"metadata.name={queue}"),
-            Reflector(kube, LEASES, namespace=namespace, listener=self._on_slot,
-                      label_selector=slots.selector(queue))]
+        self._queue_watch = Reflector(kube, TASKQUEUES, namespace=namespace, listener=self._on_queue,
+                                      field_selector=f"metadata.name={queue}")
+        self._slot_watch: Reflector | None = None  # from the first claim under maxRunning
 
     def start(self) -> None:
-        for watch in self._watches:
-            watch.start()
-        deadline = self.monotonic() + _SYNC_S
-        for watch in self._watches:
-            if not watch.synced.wait(max(deadline - self.monotonic(), 0)) and not isinstance(
-                    watch.error, errors.CRDMissing):
-                log.warning("queue %s: the %s watch did not start: claims are not gated until it does",
-                            self.queue, watch.resource.plural)
+        self._queue_watch.start()
+        self._synced(self._queue_watch)
 
     def stop(self) -> None:
         self.trim()
-        for watch in self._watches:
-            watch.stop()
+        for watch in (self._queue_watch, self._slot_watch):
+            if watch is not None:
+                watch.stop()
+
+    def _synced(self, watch: Reflector) -> None:
+        if not watch.synced.wait(_SYNC_S) and not isinstance(watch.error, errors.CRDMissing):
+            log.warning("queue %s: the %s watch did not start: claims are not gated until it does",
+                        self.queue, watch.resource.plural)
+
+    def _watch_slots(self) -> None:
+        with self._lock:
+            if self._slot_watch is not None:
+                return
+            self._slot_watch = Reflector(self.kube, LEASES, namespace=self.namespace, listener=self._on_slot,
+                                         label_selector=slots.selector(self.queue))
+        self._slot_watch.start()
+        self._synced(self._slot_watch)
 
     def admit(self) -> Admission:
         with self._lock:
@@ -97,6 +104,7 @@ class QueueGate:
                 return Admission(min(wait, WAIT_S), f"queue {self.queue} is at its claim rate")
         if spec.max_running is None:
             return Admission()
+        self._watch_slots()
         with self._lock:
             spare = next((b for b in self._mine if b.spare), None)
             if spare is not None:
