@@ -73,3 +73,4 @@ def test_top_shows_the_controls_and_queues_without_tasks() -> None:
     rows = top.summarize([], {}, NOW, controls={("ns", "idle"): TaskQueueSpec(paused=True)})
     assert [(r.queue, r.pending, r.controls) for r in rows] == [("idle", 0, TaskQueueSpec(paused=True))]
     assert "paused" in top.render(rows, title="t")
+

@@ -169,6 +169,9 @@ class QueueController:
                 log.exception("queue controls: a sync failed")
 
     def sync_all(self) -> None:
+        with self._lock:
+            if not self._queues:
+                return  # no TaskQueue: nothing to count (the reconciler's picture is not walked)
         claimable = {(ns, q): (n, age) for ns, q, n, age in self.claimable()}
         phases = _phase_counts()
         with self._lock:
