@@ -80,7 +80,11 @@ class QueueGate:
                 watch.stop()
 
     def _synced(self, watch: Reflector) -> None:
-        if not watch.synced.wait(_SYNC_S) and not isinstance(watch.error, errors.CRDMissing):
+        deadline = self.monotonic() + _SYNC_S
+        # A watch stopped for good (no TaskQueue CRD, no rights) never syncs: no need to wait it out.
+        while not watch.synced.wait(0.05) and not watch.stopped and self.monotonic() < deadline:
+            pass
+        if not watch.synced.is_set() and not isinstance(watch.error, errors.CRDMissing):
             log.warning("queue %s: the %s watch did not start: claims are not gated until it does",
                         self.queue, watch.resource.plural)
 
