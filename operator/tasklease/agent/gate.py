@@ -26,7 +26,7 @@ from tasklease.api import errors
 from tasklease.api.queues import TaskQueueSpec
 from tasklease.kube import JSON, LEASES, TASKQUEUES, Kube
 from tasklease.kube.watching import Reflector
-from tasklease.protocol import rate, slots
+from tasklease.protocol import HELD, Protocol, rate, slots
 from tasklease.protocol.slots import Slot
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,21 @@ class _Bound:
     claim: ClaimedTask | None = None
     reserved: bool = True  # handed to a claim being tried
 
-    @property
-    def spare(self) -> bool:
-        return not self.reserved and (self.claim is None or self.claim.finished)
+    def spare(self, protocol: Protocol) -> bool:
+        """No claim uses the slot: none was made under it, or its task's Lease is ours no more
+        (a claim `detach`ed is finished here, yet still held by the process it went to)."""
+        if self.reserved:
+            return False
+        claim = self.claim
+        if claim is None or claim.lost.is_set():
+            return True
+        if not claim.finished:
+            return False
+        rec = protocol.read(claim.namespace, claim.name, timeout=5)
+        ours = rec is not None and rec.state == HELD and (rec.holder, rec.epoch) == (claim.holder, claim.epoch)
+        if not ours:
+            self.claim = None  # read once
+        return not ours
 
 
 class QueueGate:
@@ -61,6 +73,7 @@ class QueueGate:
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.kube, self.namespace, self.queue, self.holder = kube, namespace, queue, holder
         self.monotonic = monotonic
+        self.protocol = Protocol(kube)
         self._lock = threading.Lock()
         self._spec = TaskQueueSpec()
         self._slots: dict[str, Slot] = {}
@@ -110,10 +123,13 @@ class QueueGate:
             return Admission()
         self._watch_slots()
         with self._lock:
-            spare = next((b for b in self._mine if b.spare), None)
-            if spare is not None:
+            mine, known = list(self._mine), list(self._slots.values())
+        spare = next((b for b in mine if b.spare(self.protocol)), None)
+        with self._lock:
+            if spare is not None and not spare.reserved and spare in self._mine:
                 spare.reserved, spare.claim = True, None
-            known = list(self._slots.values())
+            else:
+                spare = None
         if spare is not None:
             if self.monotonic() - spare.written < slots.FRESH_S:
                 return Admission(slot=spare.slot)
@@ -142,7 +158,10 @@ class QueueGate:
     def trim(self) -> None:
         """Give back the slots no running claim uses."""
         with self._lock:
-            spare = [b for b in self._mine if b.spare]
+            mine = list(self._mine)
+        spare = [b for b in mine if b.spare(self.protocol)]
+        with self._lock:
+            spare = [b for b in spare if not b.reserved and b in self._mine]
             self._mine = [b for b in self._mine if b not in spare]
         for bound in spare:
             slots.release(self.kube, bound.slot)
