@@ -163,7 +163,7 @@ class Agent:
             since = view.generation()
             candidates, recheck, ours = self._kept(view, since) or self._pick(view, member, stop)
             admission = self._gates.admit(queue, wanted=bool(candidates))
-            if admission.wait_s:  # paused, or no slot free under maxRunning
+            if admission.wait_s:  # paused, at its claim rate, or no slot free under maxRunning
                 candidates, recheck = [], admission.wait_s
             claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
             self._gates.bind(queue, admission, claimed)

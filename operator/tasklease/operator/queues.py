@@ -162,6 +162,9 @@ class QueueController:
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(TICK_S):
             if not self.active.is_set():
+                with self._lock:  # a standby posts nothing, not even later what it saw meanwhile
+                    for q in self._queues.values():
+                        q.news.clear()
                 continue
             try:
                 self.sync_all()
