@@ -12,8 +12,7 @@ import pytest
 pytest.importorskip("prometheus_client")  # the operator's extra: not on the SDK-only Pythons of `make unit-all`
 
 from fake_kube import FakeKube  # noqa: E402
-from tasklease.operator.queues import RATE_SLACK_S, RATE_WINDOW_S, QueueController  # noqa: E402
-from tasklease.protocol import rate  # noqa: E402
+from tasklease.operator.queues import RATE_WINDOW_S, QueueController, rate_allowance  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -58,7 +57,7 @@ def test_claims_beyond_the_rate_are_taken_back_newest_first() -> None:
     clock.t += RATE_WINDOW_S + 1  # past the first list
     undone: list[str] = []
     ctl._undo = lambda q, key, h, why: undone.append(key[1])  # type: ignore[method-assign]
-    allowed = int(1.0 * (RATE_WINDOW_S + rate.BURST_S + RATE_SLACK_S))
+    allowed = rate_allowance(1.0)
     for i in range(allowed + 3):
         ctl.on_lease("ADDED", {"metadata": {"name": f"t{i:02d}", "namespace": "ns", "resourceVersion": "1",
                                             "labels": {"tasklease.dev/queue": "q"}},
@@ -68,3 +67,8 @@ def test_claims_beyond_the_rate_are_taken_back_newest_first() -> None:
     assert undone == [f"t{i:02d}" for i in range(allowed + 2, allowed - 1, -1)]
     ctl._police_rate(q, ("ns", "q"), 1.0, clock.t)
     assert len(undone) == 3  # each claim judged once
+
+
+def test_the_rate_allowance_covers_an_honest_fleet_at_any_rate() -> None:
+    assert rate_allowance(1.0) == 12 + 1 + 1  # 12 s of claims (window and watch delay), the burst, the edge
+    assert rate_allowance(0.1) == 1 + 1 + 1  # a slow rate's burst is still one claim

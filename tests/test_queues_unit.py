@@ -60,6 +60,17 @@ def test_the_rate_bucket_lets_a_burst_go_then_one_claim_per_interval() -> None:
     assert wait == 0
 
 
+def test_an_uncertain_clock_waits_by_its_earliest_and_moves_on_from_its_latest() -> None:
+    wait, after = rate.wait_for_token(None, NOW, 1.0, NOW + timedelta(seconds=0.5))
+    assert (wait, after) == (0.5, NOW + timedelta(seconds=1.5))
+
+
+def test_a_slow_rate_lets_one_claim_go_then_waits_its_interval() -> None:
+    wait, tat = rate.wait_for_token(None, NOW, 0.5)
+    assert (wait, tat) == (0, NOW + timedelta(seconds=2))
+    assert rate.wait_for_token(tat, NOW, 0.5)[0] == 2
+
+
 def test_a_next_claim_time_no_claim_could_write_counts_as_now() -> None:
     forged = NOW + timedelta(days=365)  # an agent holding the queue up
     assert rate.wait_for_token(forged, NOW, 2.0) == (0, NOW + timedelta(seconds=0.5))

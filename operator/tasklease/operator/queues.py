@@ -24,6 +24,7 @@ Only the leader acts (`active`); standbys keep the picture. Intake (`on_*`) is q
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -270,7 +271,7 @@ class QueueController:
             if per_s is None:
                 seen.clear()
                 return
-            allowed = int(per_s * (RATE_WINDOW_S + rate.BURST_S + RATE_SLACK_S))
+            allowed = rate_allowance(per_s)
             excess = list(seen)[allowed:]
             for item in excess:
                 seen.remove(item)  # judged once
@@ -321,6 +322,13 @@ class QueueController:
             metrics.EVENTS_POSTED.inc()
         except errors.TaskleaseError as exc:
             log.warning("could not post event %s on TaskQueue %s/%s: %s", reason, namespace, q.name, exc)
+
+
+def rate_allowance(per_s: float) -> int:
+    """The most claims an honest fleet can make within RATE_WINDOW_S as we see them: the
+    window's claims and the watch delay's, the bucket's burst (at least one claim), one at
+    the window's edge."""
+    return math.floor(per_s * (RATE_WINDOW_S + RATE_SLACK_S) + max(per_s * rate.BURST_S, 1.0)) + 1
 
 
 def _phase_counts() -> dict[Where, dict[str, int]]:

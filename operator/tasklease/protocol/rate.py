@@ -3,8 +3,9 @@
 The bucket is a Lease `tasklease-slot.<queue>.rate` (a slot Lease by its label, so the
 admission policy's slot rules bound it; it has no holder) whose annotation
 `tasklease.dev/next-claim-at` is the generic cell rate algorithm's theoretical arrival time:
-a claim may go when that time is at most `BURST_S` ahead of now, and moves it on by one
-interval (1 / rate). Agents judge by the API server's clock (`Kube.now`), and each write is
+a claim may go when that time is at most `BURST_S` (or one interval, if longer) ahead of now, and moves it on by one
+interval (1 / rate). Agents judge by the API server's clock (`Kube.server_clock`: they wait
+by its earliest estimate and move the time on from its latest), and each write is
 conditional on the version read, so two agents cannot both take the last token. A time
 further ahead than any claim could have put it was written by someone else: it counts as now.
 """
@@ -28,13 +29,18 @@ def lease_name(queue: str) -> str:
     return f"{PREFIX}{queue}.rate"
 
 
-def wait_for_token(tat: datetime | None, now: datetime, rate: float) -> tuple[float, datetime]:
-    """(seconds to wait before a claim may go, 0 when it may now; the new arrival time if it goes)."""
+def wait_for_token(tat: datetime | None, now: datetime, rate: float,
+                   latest: datetime | None = None) -> tuple[float, datetime]:
+    """(seconds to wait before a claim may go, 0 when it may now; the new arrival time if it goes).
+    `now` is the earliest the server's time can be, `latest` (default `now`) the latest: each
+    agent's estimate is uncertain, so it waits by the one and moves the time on from the other."""
+    latest = latest or now
     interval = timedelta(seconds=1 / rate)
-    if tat is None or tat - now > timedelta(seconds=BURST_S) + interval:
-        tat = now  # none yet, or not one a claim wrote
-    start = max(tat, now)
-    wait = (start + interval - now).total_seconds() - BURST_S
+    burst = max(timedelta(seconds=BURST_S), interval)  # at least one claim, however slow the rate
+    if tat is None or tat - latest > burst + interval:
+        tat = latest  # none yet, or not one a claim wrote
+    start = max(tat, latest)
+    wait = (start + interval - now - burst).total_seconds()
     return max(wait, 0.0), start + interval
 
 
@@ -44,8 +50,7 @@ def take(kube: Kube, *, namespace: str, queue: str, rate: float) -> float:
     for _ in range(3):  # a conflict means another agent took one: look again
         obj = kube.get_or_none(LEASES, name, namespace=namespace, timeout=5)
         ann = ((obj or {}).get("metadata") or {}).get("annotations") or {}
-        now = kube.now()
-        wait, tat = wait_for_token(parse_time(ann.get(ANN_NEXT)), now, rate)
+        wait, tat = wait_for_token(parse_time(ann.get(ANN_NEXT)), kube.now(), rate, kube.server_clock.latest())
         if wait > 0:
             return wait
         try:
