@@ -247,3 +247,17 @@ def test_claims_per_second_bounds_the_claims_of_every_agent(cluster: Cluster, na
         assert in_a_second <= per_s * (rate.BURST_S + 1) + 1, f"{in_a_second} tokens within a second"
     span = claims[-1] - claims[0]
     assert span >= (total - per_s * rate.BURST_S - 1) / per_s, f"{total} claims in {span:.2f}s"
+
+
+def test_a_shell_claim_keeps_its_slot_until_its_task_ends(cluster: Cluster, kube: Kube, namespace: str) -> None:
+    """`tasklease claim --wait` claims through the SDK and hands the lease to the shell: its slot stays taken."""
+    _queue(kube, "one", maxRunning=1)
+    for i in range(2):
+        make_task(kube, f"sh-{i}", queue="one")
+    first = _cli(cluster, namespace, "claim", "--queue", "one", "--wait", "30")
+    assert first.returncode == 0, first.stderr
+    second = _cli(cluster, namespace, "claim", "--queue", "one")
+    assert second.returncode == 3 and "runs its maxRunning (1) tasks" in second.stderr, second.stderr
+    held = [o for o in kube.list(LEASES, label_selector=record.MANAGED_SELECTOR)["items"]
+            if o["spec"].get("holderIdentity")]
+    assert len(held) == 1
