@@ -16,7 +16,7 @@ import pytest
 from conftest import Cluster, Operator, agent_pod_kubeconfig, make_task, read_audit, tasklease_cmd, wait_for
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.api import errors, queues
-from tasklease.operator.queues import PAUSE_GRACE_S
+from tasklease.operator.queues import PAUSE_GRACE_S, rate_allowance
 from tasklease.kube import EVENTS, LEASES, TASKQUEUES, TASKS, Kube
 from tasklease.protocol import Protocol, TaskView, rate, record, slots
 
@@ -136,6 +136,18 @@ def test_the_operator_takes_back_claims_that_ignore_the_controls(
     with pytest.raises(errors.LostLease):
         rogue.complete(held[0], "mine anyway")
     assert queues.CLAIM_UNDONE in _events(kube, "guarded")
+
+    # Claims beyond the rate (the operator has run longer than its window by now): the excess is undone.
+    _queue(kube, "slow", claimsPerSecond=0.1)
+    allowed = rate_allowance(0.1)
+    for i in range(allowed + 2):
+        make_task(kube, f"fast-{i}", queue="slow")
+    for i in range(allowed + 2):
+        rogue.claim(TaskView.of(kube.get(TASKS, f"fast-{i}")), None, "rogue/1")
+    wait_for(lambda: sum(undone(f"fast-{i}") for i in range(allowed + 2)) == 2, timeout=30,
+             message="the claims beyond the rate undone")
+    kept = [i for i in range(allowed + 2) if not undone(f"fast-{i}")]
+    assert len(kept) == allowed and all(record.decode(kube.get(LEASES, f"fast-{i}")).holder for i in kept)
 
     # A slot held by nobody's task (its agent died) is freed for the others.
     dead = slots.acquire(kube, [], namespace=namespace, queue="guarded", holder="dead/1", limit=1)
