@@ -142,7 +142,7 @@ def render() -> str:
 
 
 def render_queue() -> str:
-    return HEADER + yaml.safe_dump(taskqueue_crd(), sort_keys=False, width=120)
+    return HEADER.replace("models.py", "queues.py") + yaml.safe_dump(taskqueue_crd(), sort_keys=False, width=120)
 
 
 def targets(root: Path, filename: str = FILENAME) -> list[Path]:
