@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("prometheus_client")  # the operator's extra: not on the SDK-only Pythons of `make unit-all`
 
 from fake_kube import FakeKube  # noqa: E402
-from tasklease.operator.queues import RATE_WINDOW_S, QueueController, rate_allowance  # noqa: E402
+from tasklease.operator.queues import QueueController, rate_allowance  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -38,6 +38,12 @@ def _taskqueue(generation: int, observed: int, **spec: object) -> dict[str, obje
             "status": {"observedGeneration": observed}}
 
 
+def _held(name: str) -> dict[str, object]:
+    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1",
+                         "labels": {"tasklease.dev/queue": "q"}},
+            "spec": {"holderIdentity": "rogue/1", "leaseTransitions": 1}}
+
+
 def test_pause_and_resume_become_events_once() -> None:
     ctl = _controller(_Clock())
     ctl.on_queue("ADDED", _taskqueue(1, 1))
@@ -54,14 +60,11 @@ def test_claims_beyond_the_rate_are_taken_back_newest_first() -> None:
     clock = _Clock()
     ctl = _controller(clock)
     ctl.on_queue("ADDED", _taskqueue(1, 1, claimsPerSecond=1.0))
-    clock.t += RATE_WINDOW_S + 1  # past the first list
     undone: list[str] = []
     ctl._undo = lambda q, key, h, why: undone.append(key[1])  # type: ignore[method-assign]
     allowed = rate_allowance(1.0)
     for i in range(allowed + 3):
-        ctl.on_lease("ADDED", {"metadata": {"name": f"t{i:02d}", "namespace": "ns", "resourceVersion": "1",
-                                            "labels": {"tasklease.dev/queue": "q"}},
-                               "spec": {"holderIdentity": "rogue/1", "leaseTransitions": 1}})
+        ctl.on_lease("ADDED", _held(f"t{i:02d}"))
     q = ctl._queues[("ns", "q")]
     ctl._police_rate(q, ("ns", "q"), 1.0, clock.t)
     assert undone == [f"t{i:02d}" for i in range(allowed + 2, allowed - 1, -1)]
@@ -72,3 +75,12 @@ def test_claims_beyond_the_rate_are_taken_back_newest_first() -> None:
 def test_the_rate_allowance_covers_an_honest_fleet_at_any_rate() -> None:
     assert rate_allowance(1.0) == 12 + 1 + 1  # 12 s of claims (window and watch delay), the burst, the edge
     assert rate_allowance(0.1) == 1 + 1 + 1  # a slow rate's burst is still one claim
+
+
+def test_the_first_list_is_no_news_of_claims() -> None:
+    ctl = QueueController(FakeKube(), claimable=lambda: [], active=threading.Event(),  # type: ignore[arg-type]
+                          monotonic=_Clock(), clock=lambda: NOW, synced=lambda: False)
+    ctl.on_queue("ADDED", _taskqueue(1, 1, claimsPerSecond=0.1))
+    for i in range(10):
+        ctl.on_lease("ADDED", _held(f"old-{i}"))
+    assert not ctl._claims.get(("ns", "q")) and not any(h.news for h in ctl._held.values())

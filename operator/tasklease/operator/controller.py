@@ -68,7 +68,6 @@ def run_operator(args: argparse.Namespace) -> int:
     reconciler = Reconciler(kube, grace_s=args.grace, namespaces=args.namespaces, workers=args.workers,
                             default_ttl_s=args.ttl_seconds_after_finished, coalesce_s=args.coalesce,
                             happy_events=args.events == "all", attempt_timeout_s=args.attempt_timeout)
-    queues = QueueController(kube, claimable=reconciler.claimable, active=reconciler.active)
     stop = threading.Event()
     ready = threading.Event()
     elector = None
@@ -83,6 +82,8 @@ def run_operator(args: argparse.Namespace) -> int:
     health = Health(kube, reconciler, namespaces=args.namespaces, threads=[workers],
                     elector_alive=elector.alive if elector else None, watches=WatchHealth())
     health.watches.attach()
+    queues = QueueController(kube, claimable=reconciler.claimable, active=reconciler.active,
+                             synced=health.watches.synced)
     health.check()
     server = _serve_http(args.http_host, args.http_port, ready, health) if args.http_port else None
     workers.start()

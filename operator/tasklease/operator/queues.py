@@ -73,25 +73,28 @@ class _Held:
     holder: str
     epoch: int
     seen: float  # monotonic: when we first saw this claim
+    news: bool  # seen as it happened, not in a first list: a claim made before a pause may arrive late then
 
 
 class QueueController:
     def __init__(self, kube: Kube, *, claimable: Callable[[], list[tuple[str, str, int, float]]],
                  active: threading.Event, monotonic: Callable[[], float] = time.monotonic,
-                 clock: Callable[[], datetime] | None = None, component: str = "tasklease-operator") -> None:
+                 clock: Callable[[], datetime] | None = None, component: str = "tasklease-operator",
+                 synced: Callable[[], bool] = lambda: True) -> None:
+        """`synced`: whether the Task and Lease watches have listed once (what they list is no news of claims)."""
         self.kube = kube
         self.claimable = claimable
         self.active = active
         self.monotonic = monotonic
         self.clock = clock or kube.now
         self.component = component
+        self.synced = synced
         self.protocol = Protocol(kube, clock=self.clock)
         self._lock = threading.Lock()
         self._queues: dict[Where, _Queue] = {}
         self._held: dict[tuple[str, str], _Held] = {}  # (namespace, lease name) → claim, held leases only
         self._slots: dict[tuple[str, str], tuple[Slot, float]] = {}  # → (slot, when this version was first seen)
         self._uncovered_since: dict[tuple[str, str, str], float] = {}  # (ns, queue, holder) → monotonic
-        self._started = monotonic()
         self._claims: dict[Where, deque[tuple[tuple[str, str], _Held]]] = {}  # claims seen, oldest first
 
     # -- intake ------------------------------------------------------------------------------
@@ -141,9 +144,8 @@ class QueueController:
             if kind == "DELETED" or rec.state != HELD:
                 self._held.pop(key, None)
             elif before is None or (before.holder, before.epoch) != (rec.holder, rec.epoch):
-                claim = self._held[key] = _Held(rec.queue, rec.holder, rec.epoch, self.monotonic())
-                # The first list (at start, or after a relist) is no news of claims: only later ones count.
-                if (rec.namespace, rec.queue) in self._queues and claim.seen - self._started > RATE_WINDOW_S:
+                claim = self._held[key] = _Held(rec.queue, rec.holder, rec.epoch, self.monotonic(), self.synced())
+                if (rec.namespace, rec.queue) in self._queues and claim.news:
                     self._claims.setdefault((rec.namespace, rec.queue), deque()).append((key, claim))
 
     def on_slot(self, kind: str, obj: JSON) -> None:
@@ -195,7 +197,7 @@ class QueueController:
             spec, paused_at = q.spec, q.paused_at
         if paused_at is not None:
             for key, h in held.items():
-                if h.seen >= paused_at + PAUSE_GRACE_S:
+                if h.news and h.seen >= paused_at + PAUSE_GRACE_S:
                     self._undo(q, key, h, f"claimed while queue {name} is paused")
         if spec.max_running is not None:
             self._police_limit(q, where, held, queue_slots, now)
