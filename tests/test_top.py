@@ -83,14 +83,14 @@ def test_top_in_a_terminal_shows_the_queue_live_and_quits_on_q(cluster: Cluster,
         for i in range(3):
             make_task(kube, f"t{i}", queue="live")
         # NAMESPACE QUEUE PENDING RUNNING BACKOFF SUCCEEDED FAILED DEAD ...
-        wait_for(lambda: _line(tmux.screen(), "live")[2:4] == ["3", "0"], message="three pending")
+        wait_for(lambda: _line(tmux.screen(), "live")[3:5] == ["3", "0"], message="three pending")
         with agent.claim("live", timeout=30) as held:
-            wait_for(lambda: _line(tmux.screen(), "live")[2:4] == ["2", "1"], message="one running")
+            wait_for(lambda: _line(tmux.screen(), "live")[3:5] == ["2", "1"], message="one running")
             screen = tmux.screen()
             assert f"{held.name} (" in screen and agent.identity.pod in screen, screen
             held.complete("done")
-        wait_for(lambda: _line(tmux.screen(), "live")[5] == "1", message="one succeeded")
-        assert float(_line(tmux.screen(), "live")[9]) > 0  # completions per second, over the last 10 s
+        wait_for(lambda: _line(tmux.screen(), "live")[6] == "1", message="one succeeded")
+        assert float(_line(tmux.screen(), "live")[10]) > 0  # completions per second, over the last 10 s
         tmux("send-keys", "-t", "top", "q")
         wait_for(lambda: "tasklease top -" not in tmux.screen(), message="top to quit on q and give the screen back")
         tmux("send-keys", "-t", "top", "echo exit=$?", "Enter")
@@ -106,5 +106,5 @@ def test_top_once_across_all_namespaces(cluster: Cluster, kube: Kube, namespace:
                          env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)})
     assert out.returncode == 0, out.stderr
     assert "tasklease top - all namespaces" in out.stdout
-    assert [namespace, "span", "1", "0"] == next(
-        line.split()[:4] for line in out.stdout.splitlines() if line.startswith(namespace))
+    assert [namespace, "span", "-", "1", "0"] == next(  # "-": no TaskQueue, no controls
+        line.split()[:5] for line in out.stdout.splitlines() if line.startswith(namespace))

@@ -17,6 +17,21 @@
   - get
   - update
 - apiGroups:
+  - tasklease.dev
+  resources:
+  - taskqueues
+  verbs:
+  - get
+  - list
+  - watch
+- apiGroups:
+  - tasklease.dev
+  resources:
+  - taskqueues/status
+  verbs:
+  - get
+  - update
+- apiGroups:
   - coordination.k8s.io
   resources:
   - leases
@@ -66,6 +81,14 @@
   - tasklease.dev
   resources:
   - tasks
+  verbs:
+  - get
+  - list
+  - watch
+- apiGroups:
+  - tasklease.dev
+  resources:
+  - taskqueues
   verbs:
   - get
   - list

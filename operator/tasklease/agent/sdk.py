@@ -32,6 +32,7 @@ from tasklease.agent.cancel import Followers
 from tasklease.agent.claimed import ClaimedTask, Observer, Renewals
 from tasklease.agent.discovery import Candidate, QueueView, task_selector
 from tasklease.agent.division import Division, Owner, weight
+from tasklease.agent.gate import Gates, admit_once
 from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
 from tasklease.agent.ranked import best_first
@@ -39,7 +40,7 @@ from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
 from tasklease.api import errors, models
 from tasklease.kube import LEASES, Kube
-from tasklease.protocol import Held, Protocol, TaskView, members, record
+from tasklease.protocol import Held, Protocol, TaskView, members, record, slots
 from tasklease.protocol.members import MemberLease
 
 __all__ = ["Agent", "AgentSettings", "ClaimedTask", "Identity", "instance_gone"]
@@ -77,6 +78,7 @@ class Agent:
         # are still our best: only we take ours. One look serves several claims.
         self._next: dict[str, tuple[int, list[str]]] = {}
         self._views_lock = threading.Lock()
+        self._gates = Gates(kube, namespace=self.namespace, holder=self.identity.holder)  # TaskQueue controls
 
     @classmethod
     def connect(cls, *, kubeconfig: str | None = None, namespace: str | None = None, **kwargs: Any) -> Agent:
@@ -155,7 +157,11 @@ class Agent:
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
             candidates, recheck, ours = self._kept(view, since) or self._pick(view, member, stop)
+            admission = self._gates.admit(queue, wanted=bool(candidates))
+            if admission.wait_s:  # paused, at its claim rate, or no slot free under maxRunning
+                candidates, recheck = [], admission.wait_s
             claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
+            self._gates.bind(queue, admission, claimed)
             if claimed is not None:
                 if rest and ours:
                     with self._views_lock:
@@ -189,6 +195,7 @@ class Agent:
 
         A task due within what this process cannot yet tell of the server's clock (a new
         process has read few whole-second `Date`s) may be due already: one more look then."""
+        slot = admit_once(self.kube, namespace=self.namespace, queue=queue, holder=self.identity.holder)
         found = self._claim_pass(queue, interrupt)
         if isinstance(found, datetime):
             low, high = self.kube.server_clock.offset()
@@ -198,6 +205,8 @@ class Agent:
                 found = self._claim_pass(queue, interrupt)
         if isinstance(found, ClaimedTask):
             return found
+        if slot is not None:
+            slots.release(self.kube, slot)
         raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
 
     def _claim_pass(self, queue: str, interrupt: bool) -> ClaimedTask | datetime | None:
@@ -275,6 +284,7 @@ class Agent:
             unshare()
         for view in views:
             view.stop()
+        self._gates.close()
         self._followers.close()
         self._renewals.close()
 

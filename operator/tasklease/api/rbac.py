@@ -12,7 +12,7 @@ from typing import Any, Final
 
 import yaml
 
-from tasklease.api import models
+from tasklease.api import models, queues
 
 Rule = dict[str, Any]
 
@@ -20,6 +20,9 @@ OPERATOR: Final[list[Rule]] = [
     # delete: finished Tasks past their ttlSecondsAfterFinished.
     {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch", "delete"]},
     {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/status"], "verbs": ["get", "update"]},
+    # TaskQueues: read their controls, write their status.
+    {"apiGroups": [models.GROUP], "resources": [queues.QUEUE_PLURAL], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [models.GROUP], "resources": [f"{queues.QUEUE_PLURAL}/status"], "verbs": ["get", "update"]},
     # Expire, cancel, dead-letter and clean up leases; leader election on its own Lease.
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
@@ -39,6 +42,8 @@ OPERATOR_CLUSTER: Final[list[Rule]] = [
 
 AGENT: Final[list[Rule]] = [
     {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch"]},
+    # A queue's controls (pause, maxRunning), obeyed before each claim.
+    {"apiGroups": [models.GROUP], "resources": [queues.QUEUE_PLURAL], "verbs": ["get", "list", "watch"]},
     # Claim (create or patch), renew, complete, fail, release (update: the holder's PUT).
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
      "verbs": ["get", "list", "watch", "create", "patch", "update"]},

@@ -9,3 +9,7 @@ GROUP: Final = "tasklease.dev"
 VERSION: Final = "v1alpha1"
 PLURAL: Final = "tasks"
 KIND: Final = "Task"
+
+# The optional TaskQueue: named as the queue it controls, in the same namespace.
+QUEUE_PLURAL: Final = "taskqueues"
+QUEUE_KIND: Final = "TaskQueue"

@@ -1,7 +1,7 @@
 """`tasklease` (and `kubectl tasklease`): the parser and the one-line error handling.
 
 The commands live by concern: `tasks` (submit, list, get, ...), `work` (claim ... run),
-`top`; `output` formats, `follow` lists and watches. The exit codes are
+`queues` (pause, resume), `top`; `output` formats, `follow` lists and watches. The exit codes are
 `tasklease.api.errors.exit_codes()`, printed by `tasklease --help` only.
 """
 
@@ -18,6 +18,7 @@ from tasklease.api import errors, models
 from tasklease.api.build import version
 from tasklease.cli import completion, output
 from tasklease.cli.common import first_line, kube_of
+from tasklease.cli.queues import cmd_pause, cmd_resume
 from tasklease.cli.tasks import cmd_cancel, cmd_describe, cmd_get, cmd_list, cmd_requeue, cmd_retry, cmd_submit
 from tasklease.cli.work import cmd_claim, cmd_complete, cmd_fail, cmd_release, cmd_renew, cmd_run
 
@@ -187,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", help="every Failed task of this queue")
     p.add_argument("-l", "--selector", default="", help="only Failed tasks with these labels")
     p.add_argument("--reason", help="only Failed tasks with this status.reason, e.g. DeadLettered")
+
+    for name, help, handler in (
+            ("pause", "stop agents claiming from a queue (creates its TaskQueue if missing); running tasks go on",
+             cmd_pause),
+            ("resume", "let agents claim from a paused queue again", cmd_resume)):
+        p = command(name, help, handler, f"tasklease {name} emails")
+        p.add_argument("queue", help="the queue (its TaskQueue has its name)")
 
     p = command("top", "a live view of the queues: counts, rates, oldest pending, slowest running, holders",
                 cmd_top, "tasklease top -A")

@@ -1,11 +1,13 @@
 """`tasklease top`: a live terminal view of the queues, refreshed from two watches.
 
-Per (namespace, queue): pending, running, backing off, succeeded, failed and dead-lettered
-counts, claims and completions per second, the oldest pending task's age, the slowest
-running task, and the holders. The state of each task comes from its Lease when it has one
+Per (namespace, queue): its controls (a TaskQueue's pause, maxRunning and claim rate),
+pending, running, backing off, succeeded, failed and dead-lettered counts, claims and
+completions per second, the oldest pending task's age, the slowest running task, and the
+holders. The state of each task comes from its Lease when it has one
 (the truth, even while no operator runs), else from the Task's projected status.
 
-`summarize` is pure (tested without a terminal); `Top` keeps the watches (all namespaces
+`summarize` is pure (tested without a terminal); `Top` keeps the watches (TaskQueues
+too, when their CRD is installed) (all namespaces
 with -A); `run` draws
 with curses until `q` or Ctrl-C. `--once` prints one snapshot for scripts.
 """
@@ -21,9 +23,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from pydantic import ValidationError
+
 from tasklease.api import errors, models, timestamps
+from tasklease.api.queues import TaskQueueSpec
 from tasklease.cli.output import duration, format_rows
-from tasklease.kube import JSON, LEASES, TASKS, Kube
+from tasklease.kube import JSON, LEASES, TASKQUEUES, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import CLOSED, HELD, LeaseRecord, record
 
@@ -46,6 +51,19 @@ class QueueRow:
     oldest_pending_s: float | None = None
     slowest: tuple[str, float] | None = None  # (task, seconds running)
     holders: set[str] = field(default_factory=set)
+    controls: TaskQueueSpec | None = None  # its TaskQueue's spec, if it has one
+
+
+def describe_controls(spec: TaskQueueSpec | None) -> str:
+    """`paused max=3 rate=2/s`; "-" without a TaskQueue or controls."""
+    if spec is None:
+        return "-"
+    parts = ["paused"] if spec.paused else []
+    if spec.max_running is not None:
+        parts.append(f"max={spec.max_running}")
+    if spec.claims_per_second is not None:
+        parts.append(f"rate={spec.claims_per_second:g}/s")
+    return " ".join(parts) or "-"
 
 
 def state_of(task: JSON, rec: LeaseRecord | None, now: datetime) -> str:
@@ -66,10 +84,14 @@ def state_of(task: JSON, rec: LeaseRecord | None, now: datetime) -> str:
 
 def summarize(tasks: Iterable[JSON], leases: dict[tuple[str, str], LeaseRecord], now: datetime, *,
               claims: Iterable[tuple[str, str]] = (), completions: Iterable[tuple[str, str]] = (),
-              window_s: float = RATE_WINDOW_S) -> list[QueueRow]:
+              window_s: float = RATE_WINDOW_S,
+              controls: dict[tuple[str, str], TaskQueueSpec] | None = None) -> list[QueueRow]:
     """One row per (namespace, queue). `claims`/`completions`: the (namespace, queue) of each
-    one seen in the last `window_s` seconds."""
+    one seen in the last `window_s` seconds; `controls`: the TaskQueues' specs (a queue with
+    one has a row even without tasks)."""
     rows: dict[tuple[str, str], QueueRow] = {}
+    for key, spec in (controls or {}).items():
+        rows[key] = QueueRow(*key, controls=spec)
     for task in tasks:
         meta = task["metadata"]
         key = (meta["namespace"], (task.get("spec") or {}).get("queue", ""))
@@ -99,12 +121,13 @@ def summarize(tasks: Iterable[JSON], leases: dict[tuple[str, str], LeaseRecord],
     return [rows[k] for k in sorted(rows)]
 
 
-HEADER = ["NAMESPACE", "QUEUE", "PENDING", "RUNNING", "BACKOFF", "SUCCEEDED", "FAILED", "DEAD", "CLAIMS/S",
+HEADER = ["NAMESPACE", "QUEUE", "CONTROLS", "PENDING", "RUNNING", "BACKOFF", "SUCCEEDED", "FAILED", "DEAD", "CLAIMS/S",
           "DONE/S", "OLDEST-PENDING", "SLOWEST-RUNNING", "HOLDERS"]
 
 
 def render(rows: list[QueueRow], *, title: str) -> str:
-    lines = [[r.namespace, r.queue, str(r.pending), str(r.running), str(r.backing_off), str(r.succeeded),
+    lines = [[r.namespace, r.queue, describe_controls(r.controls), str(r.pending), str(r.running),
+              str(r.backing_off), str(r.succeeded),
               str(r.failed), str(r.dead_letters), f"{r.claims_per_s:.1f}", f"{r.completions_per_s:.1f}",
               duration(r.oldest_pending_s) if r.oldest_pending_s is not None else "-",
               f"{r.slowest[0]} ({duration(r.slowest[1])})" if r.slowest else "-",
@@ -125,9 +148,11 @@ class Top:
         self._lock = threading.Lock()
         self._tasks: dict[tuple[str, str], JSON] = {}
         self._leases: dict[tuple[str, str], LeaseRecord] = {}
+        self._controls: dict[tuple[str, str], TaskQueueSpec] = {}
         self._watches = [Reflector(kube, TASKS, namespace=namespace, listener=self._on_task, keep_objects=False),
                          Reflector(kube, LEASES, namespace=namespace, listener=self._on_lease, keep_objects=False,
-                                   label_selector=record.MANAGED_SELECTOR)]
+                                   label_selector=record.MANAGED_SELECTOR),
+                         Reflector(kube, TASKQUEUES, namespace=namespace, listener=self._on_queue, keep_objects=False)]
         self._claims: collections.deque[tuple[float, tuple[str, str]]] = collections.deque()
         self._completions: collections.deque[tuple[float, tuple[str, str]]] = collections.deque()
 
@@ -137,6 +162,8 @@ class Top:
             watch.start()
         for watch in self._watches:
             if not watch.synced.wait(max(deadline - time.monotonic(), 0)):
+                if watch.resource == TASKQUEUES and isinstance(watch.error, errors.CRDMissing):
+                    continue  # an install without TaskQueues: queues without controls
                 self.stop()
                 if isinstance(watch.error, errors.TaskleaseError):
                     raise watch.error
@@ -153,7 +180,21 @@ class Top:
                 while events and events[0][0] < cutoff:
                     events.popleft()
             return summarize(list(self._tasks.values()), dict(self._leases), timestamps.now_utc(),
-                             claims=[k for _, k in self._claims], completions=[k for _, k in self._completions])
+                             claims=[k for _, k in self._claims], completions=[k for _, k in self._completions],
+                             controls=dict(self._controls))
+
+    def _on_queue(self, kind: str, obj: JSON) -> None:
+        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        try:
+            spec = TaskQueueSpec.model_validate(obj.get("spec") or {})
+        except ValidationError:  # refused by the CRD's schema; an older CRD may let it through
+            spec = TaskQueueSpec()
+        with self._lock:
+            if kind == "DELETED":
+                self._controls.pop(key, None)
+            else:
+                self._controls[key] = spec
+        self.changed.set()
 
     def _on_task(self, kind: str, obj: JSON) -> None:
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])

@@ -7,6 +7,6 @@ Rule: the only package that knows the `kubernetes` client; writes are never retr
 (a 409 is an answer the protocol must see).
 """
 
-from tasklease.kube.client import CRDS, EVENTS, JSON, LEASES, NAMESPACES, PODS, TASKS, Kube, Resource
+from tasklease.kube.client import CRDS, EVENTS, JSON, LEASES, NAMESPACES, PODS, TASKQUEUES, TASKS, Kube, Resource
 
-__all__ = ["CRDS", "EVENTS", "JSON", "LEASES", "NAMESPACES", "PODS", "TASKS", "Kube", "Resource"]
+__all__ = ["CRDS", "EVENTS", "JSON", "LEASES", "NAMESPACES", "PODS", "TASKQUEUES", "TASKS", "Kube", "Resource"]

@@ -56,6 +56,7 @@ class Resource:
 
 TASKS = Resource(resource.GROUP, resource.VERSION, resource.PLURAL)
 LEASES = Resource("coordination.k8s.io", "v1", "leases")
+TASKQUEUES = Resource(resource.GROUP, resource.VERSION, resource.QUEUE_PLURAL)
 PODS = Resource("", "v1", "pods")
 EVENTS = Resource("", "v1", "events")
 NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)

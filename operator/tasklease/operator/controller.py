@@ -50,6 +50,7 @@ from tasklease.operator.health import CRD_NAME, Health, WatchHealth
 from tasklease.operator.leader import ElectionConfig, LeaderElector
 from tasklease.operator.options import validate
 from tasklease.operator.podbound import PodBound
+from tasklease.operator.queues import QueueController
 from tasklease.operator.reconciler import Reconciler
 
 log = logging.getLogger("tasklease.operator")
@@ -84,11 +85,14 @@ def run_operator(args: argparse.Namespace) -> int:
     health = Health(kube, reconciler, namespaces=args.namespaces, threads=[workers, renewals],
                     elector_alive=elector.alive if elector else None, watches=WatchHealth())
     health.watches.attach()
+    queues = QueueController(kube, claimable=reconciler.claimable, active=reconciler.active,
+                             synced=health.watches.synced)
     health.check()
     server = _serve_http(args.http_host, args.http_port, ready, health) if args.http_port else None
     workers.start()
     renewals.start()
     threading.Thread(target=health.run, args=(stop,), name="health", daemon=True).start()
+    threading.Thread(target=queues.run, args=(stop,), name="queues", daemon=True).start()
     if elector is not None:
         elector.start()
     else:
@@ -97,7 +101,7 @@ def run_operator(args: argparse.Namespace) -> int:
              "namespaces " + ",".join(args.namespaces) if args.namespaces else "all namespaces",
              "on" if elector else "off")
     try:
-        while _run_watches(reconciler, podbound, kube, args, ready, identity, health):
+        while _run_watches(reconciler, podbound, queues, kube, args, ready, identity, health):
             ready.clear()
             health.watches.reset()  # what the old watches could not do says nothing of the new ones
     finally:
@@ -114,8 +118,8 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _run_watches(reconciler: Reconciler, podbound: PodBound, kube: Kube, args: argparse.Namespace,
-                 ready: threading.Event, identity: str, health: Health) -> bool:
+def _run_watches(reconciler: Reconciler, podbound: PodBound, queues: QueueController, kube: Kube,
+                 args: argparse.Namespace, ready: threading.Event, identity: str, health: Health) -> bool:
     """Run our Task and Lease watches and kopf until SIGTERM/SIGINT (False) or until the
     watches must start over (True): the Task CRD was recreated, or a stopped watch can work."""
     # An asyncio.Event on our own loop, not a threading.Event or a concurrent Future: kopf
@@ -129,8 +133,10 @@ def _run_watches(reconciler: Reconciler, podbound: PodBound, kube: Kube, args: a
         restart.set()
         loop.call_soon_threadsafe(stop.set)
     health.restart_watches = restart_watches
-    reflectors = _reflectors(reconciler, podbound, kube, args.namespaces, health)
+    reflectors = _reflectors(reconciler, podbound, queues, kube, args.namespaces, health)
     health.watches.track(reflectors)
+    # TaskQueues and slots: optional (an install without the TaskQueue CRD runs without them).
+    reflectors += [r for ns in (args.namespaces or [None]) for r in queues.reflectors(ns)]
     for r in reflectors:
         r.start()
     registry = _registry(reconciler, podbound, kube, health)
@@ -157,8 +163,8 @@ def _run_watches(reconciler: Reconciler, podbound: PodBound, kube: Kube, args: a
     return restart.is_set()
 
 
-def _reflectors(reconciler: Reconciler, podbound: PodBound, kube: Kube, namespaces: list[str] | None,
-                health: Health) -> list[Reflector]:
+def _reflectors(reconciler: Reconciler, podbound: PodBound, queues: QueueController, kube: Kube,
+                namespaces: list[str] | None, health: Health) -> list[Reflector]:
     """Tasks and Leases (ours only), per namespace or cluster-wide: paginated lists, then watches."""
     def on_task(kind: str, obj: JSON) -> None:
         health.watches.event()
@@ -168,6 +174,7 @@ def _reflectors(reconciler: Reconciler, podbound: PodBound, kube: Kube, namespac
         health.watches.event()
         reconciler.on_lease(kind, obj)
         podbound.on_lease(kind, obj)
+        queues.on_lease(kind, obj)
     scopes: list[str | None] = [*namespaces] if namespaces else [None]
     return [r for ns in scopes for r in (
         Reflector(kube, TASKS, namespace=ns, listener=on_task, keep_objects=False),

@@ -7,10 +7,10 @@ Task.status is refused at the write when it would not fit the Task's schema. A t
 when the checked-in chart file is stale. docs/security.md says what the policy guarantees.
 
 The policy matches requests by who sends them (the agents' ServiceAccount), never by a label
-of the Lease, which its writer controls. An agent writes two kinds of Lease: a task's Lease
-(claim, renew, end) and its own member Lease (`members`); anything else it writes is refused.
-It deletes only its own member Lease, when it leaves its queue (a second policy: a delete has
-no new object to judge).
+of the Lease, which its writer controls. An agent writes three kinds of Lease: a task's Lease
+(claim, renew, end), its own member Lease (`members`) and a slot of a queue's semaphore
+(`slots`); anything else it writes is refused. It deletes only its own member Lease, when it
+leaves its queue (a second policy: a delete has no new object to judge).
 CEL cannot read the Task, so what needs the Task (its queue, its uid, `spec.notBefore`) is
 checked where the Task is known: by the operator (docs/security.md).
 """
@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel
 
 from tasklease.api import models
-from tasklease.protocol import members, record
+from tasklease.protocol import members, record, slots
 
 ELECTION_LEASE: Final = "tasklease-operator"  # operator.leader.ElectionConfig's default name; a test ties them
 AGENT_OUTCOMES: Final = (models.Phase.SUCCEEDED.value, models.Phase.FAILED.value)
@@ -155,6 +155,9 @@ def variables() -> list[dict[str, str]]:
         # must then pass as a task's Lease, and cannot).
         ("member", f"{_str(members.LABEL_AGENT_OF)} in variables.labels || "
                    f"{_str(members.LABEL_AGENT_OF)} in variables.oldLabels"),
+        # A slot of a queue's semaphore (`slots`): its own rules, not a task's.
+        ("slot", f"{_str(slots.LABEL_SLOT_OF)} in variables.labels || "
+                 f"{_str(slots.LABEL_SLOT_OF)} in variables.oldLabels"),
         ("newHolder", "has(object.spec.holderIdentity) ? object.spec.holderIdentity : ''"),
         ("holderUid", "variables.newHolder.contains('@') ? "
                       "variables.newHolder.substring(variables.newHolder.lastIndexOf('@') + 1) : ''"),
@@ -221,7 +224,7 @@ def _common() -> list[dict[str, str]]:
 def _task() -> list[dict[str, str]]:
     """A task's Lease (docs/protocol.md): what an agent may write to one."""
     def t(expression: str, message: str) -> dict[str, str]:
-        return _validation(f"variables.member || ({expression})", message)
+        return _validation(f"variables.member || variables.slot || ({expression})", message)
 
     managed, queue, state, holder_pod = (record.LABEL_MANAGED, record.LABEL_QUEUE, record.LABEL_STATE,
                                          record.LABEL_HOLDER_POD)
@@ -337,6 +340,31 @@ def _member() -> list[dict[str, str]]:
     ]
 
 
+def _slot() -> list[dict[str, str]]:
+    """A slot Lease (`protocol.slots`, and the claim rate's `protocol.rate`): held only in the agent's
+    own pod's name (`_common`), and nothing else."""
+    def s(expression: str, message: str) -> dict[str, str]:
+        return _validation(f"!variables.slot || ({expression})", message)
+
+    slot_of = slots.LABEL_SLOT_OF
+    prefix = f"{_str(slots.PREFIX)} + {_label(slot_of)} + '.'"
+    return [
+        s(f"{_label(slot_of)}.matches({_raw(models.DNS_LABEL)}) && size({_label(slot_of)}) <= {_QUEUE_MAX} && "
+          f"object.metadata.name.startsWith({prefix}) && "
+          f"object.metadata.name.substring(size({prefix})).matches('^([0-9]{{1,5}}|rate)$')",
+          f"a slot Lease is labelled {slot_of}=<queue> and named {slots.PREFIX}<queue>.<number> "
+          "(or .rate: the queue's claim rate)"),
+        s(f"oldObject == null || {_label(slot_of)} == {_label(slot_of, 'oldLabels')}",
+          f"the label {slot_of} cannot change"),
+        s(f"!({_str(record.LABEL_MANAGED)} in variables.labels) && "
+          f"!({_str(members.LABEL_AGENT_OF)} in variables.labels)",
+          "a slot Lease is no task's Lease and no member Lease"),
+        s("size(variables.owners) == 0", "a slot Lease has no ownerReferences"),
+        s(f"has(object.spec.leaseDurationSeconds) && object.spec.leaseDurationSeconds == {slots.DURATION_S}",
+          f"a slot Lease's leaseDurationSeconds is {slots.DURATION_S}"),
+    ]
+
+
 def policy_spec() -> dict[str, Any]:
     return {
         "failurePolicy": "Fail",
@@ -345,7 +373,7 @@ def policy_spec() -> dict[str, Any]:
             "resources": ["leases"]}]},
         "matchConditions": _FROM_AN_AGENT,
         "variables": variables(),
-        "validations": [*_common(), *_task(), *_member()],
+        "validations": [*_common(), *_task(), *_member(), *_slot()],
     }
 
 
