@@ -70,7 +70,8 @@ def test_the_charts_default_memory_holds_the_documented_maximum_with_headroom() 
     resources = yaml.safe_load((ROOT / "helm" / "tasklease" / "values.yaml").read_text())["operator"]["resources"]
     measured = newest_with(OPERATOR_RSS_AT_MAX)
     if measured is None:  # a checked-in scale run is what this compares against; none yet
-        pytest.skip(f"no result file in bench/results/ has {OPERATOR_RSS_AT_MAX}: run make bench BENCH_ARGS='--only scale'")
+        pytest.skip(f"no result file in bench/results/ has {OPERATOR_RSS_AT_MAX}: "
+                    "run make bench BENCH_ARGS='--only scale'")
     name, res = measured
     assert res["sizes"]["scale"] == DOCUMENTED_MAX_TASKS, f"{name} measured a scale other than the documented maximum"
     peak_mib = res[OPERATOR_RSS_AT_MAX]  # VmHWM: KiB / 1024
