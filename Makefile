@@ -83,7 +83,7 @@ unit-all: unit ## the unit tests on every supported Python (3.11, and 3.12 and 3
 	for v in $(UNIT_PYTHONS); do \
 	  venv=.venv-$${v%.*}; py=$${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v/bin/python; \
 	  test -x $$venv/bin/python || $$py -m venv $$venv || exit 1; \
-	  $$venv/bin/python -m pip install -q -e . -e tools pytest pytest-timeout hypothesis || exit 1; \
+	  $$venv/bin/python -m pip install -q -e '.[operator]' -e tools pytest pytest-timeout hypothesis || exit 1; \
 	  $$venv/bin/python -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS) || exit 1; \
 	done
 
