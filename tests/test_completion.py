@@ -35,7 +35,7 @@ def complete(script: str, *words: str) -> list[str]:
 
 def test_bash_completes_commands_flags_and_choices(bash_script: str) -> None:
     assert complete(bash_script, "su") == ["submit"]
-    assert set(complete(bash_script, "re")) == {"renew", "release", "requeue", "retry"}
+    assert set(complete(bash_script, "re")) == {"renew", "release", "requeue", "resume", "retry"}
     assert complete(bash_script, "-n", "shop", "li") == ["list"]          # a global flag's value is not a command
     assert "--max-attempts" in complete(bash_script, "submit", "--")
     assert complete(bash_script, "list", "--phase", "S") == ["Succeeded"]
