@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from tasklease.api import models, queues
 
@@ -26,11 +27,9 @@ _KEPT = {"type", "description", "default", "minimum", "maximum", "minLength", "m
 
 
 def task_crd() -> dict[str, Any]:
-    root = models.TaskSpec.model_json_schema(by_alias=True, mode="validation", ref_template="{model}")
-    spec = _structural(root, root.get("$defs", {}))
+    spec = _schema(models.TaskSpec)
     spec["required"] = ["queue"]
-    status_root = models.TaskStatus.model_json_schema(by_alias=True, mode="validation", ref_template="{model}")
-    status = _structural(status_root, status_root.get("$defs", {}))
+    status = _schema(models.TaskStatus)
     status.pop("required", None)  # the operator fills it in over time
     # A Task the operator has not written reads as the defaults (phase Pending) when served:
     # a backlog of new Tasks costs no status write each (projection.unwritten).
@@ -70,10 +69,8 @@ def task_crd() -> dict[str, Any]:
 
 
 def taskqueue_crd() -> dict[str, Any]:
-    root = queues.TaskQueueSpec.model_json_schema(by_alias=True, mode="validation", ref_template="{model}")
-    spec = _structural(root, root.get("$defs", {}))
-    status_root = queues.TaskQueueStatus.model_json_schema(by_alias=True, mode="validation", ref_template="{model}")
-    status = _structural(status_root, status_root.get("$defs", {}))
+    spec = _schema(queues.TaskQueueSpec)
+    status = _schema(queues.TaskQueueStatus)
     status.pop("required", None)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -107,6 +104,12 @@ def taskqueue_crd() -> dict[str, Any]:
             }],
         },
     }
+
+
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema as a structural schema (refs inlined) for a CRD."""
+    root = model.model_json_schema(by_alias=True, mode="validation", ref_template="{model}")
+    return _structural(root, root.get("$defs", {}))
 
 
 def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
