@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml tools/pyproject.toml
 
 venv: $(STAMP) ## create the virtualenv; install tasklease (operator and test extras) and tools/ (development)
 
-build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (and helm) once, cached outside the clone
+build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (helm, KEDA) once, cached outside the clone
 	$(LOCAL) build
 
 prometheus: ## Prometheus and promtool (Debian's package) for the alert and dashboard tests, unless on the PATH

@@ -1,37 +1,93 @@
-"""The chart's KEDA ScaledObject, checked against KEDA's own CRD: the ScaledObject schema of
-the KEDA release pinned below, taken from its Go module (`go mod download`, into the Go
-module cache, outside the clone), served by the test API server, which validates the
-rendered object strictly (unknown fields refused). KEDA itself does not run here."""
+"""KEDA and the chart's ScaledObject, with the KEDA release `binaries.KEDA_VERSION` pins, from
+its Go module (into the Go module cache and the binary cache, outside the clone):
+
+- KEDA's CRDs, served by the test API server, validate the rendered ScaledObject strictly
+  (unknown fields and wrong types refused);
+- KEDA's operator, built from the module and run on 127.0.0.1 against the test control plane,
+  scales the example agents' Deployment from zero to one and back on the chart's trigger,
+  a query to a real Prometheus that scrapes a real tasklease operator."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from conftest import Cluster, wait_for
+from conftest import ROOT, Cluster, Operator, Process, free_port, make_task, tasklease_cmd, wait_for
+from tasklease.kube import Resource
+from tasklease_dev import binaries
 from test_chart import CHART, _helm, by_kind, render
+from test_prometheus import Prometheus
 
-KEDA_MODULE = "github.com/kedacore/keda/v2@v2.21.0"
+DEPLOYMENTS = Resource("apps", "v1", "deployments")
+SCALEDOBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects")
+EVENTS = Resource("", "v1", "events")
+QUEUE = "thumbnails"
 
 
 @pytest.fixture(scope="module")
 def keda_crd(cluster: Cluster) -> None:
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("needs the go command to fetch KEDA's CRDs from its Go module")
-    fetched = subprocess.run([go, "mod", "download", "-json", KEDA_MODULE], capture_output=True, text=True,
-                             cwd="/", timeout=300)
-    if fetched.returncode != 0:
-        pytest.skip(f"cannot download {KEDA_MODULE} from the Go module proxy: {fetched.stdout}{fetched.stderr}")
-    crd = Path(json.loads(fetched.stdout)["Dir"]) / "config" / "crd" / "bases" / "keda.sh_scaledobjects.yaml"
-    cluster.kubectl("apply", "--server-side", "-f", str(crd))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/scaledobjects.keda.sh")
+    """All of KEDA's CRDs: its operator watches every kind they define."""
+    try:
+        bases = binaries.keda_module_dir() / "config" / "crd" / "bases"
+    except RuntimeError as exc:  # no Go toolchain or no Go module proxy: no KEDA to be had
+        pytest.skip(str(exc))
+    cluster.kubectl("apply", "--server-side", "-f", str(bases))
+    names = [yaml.safe_load(f.read_text())["metadata"]["name"] for f in sorted(bases.glob("*.yaml"))]
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in names])
+
+
+class Keda(Process):
+    """KEDA's operator as a host process on 127.0.0.1, watching one namespace. Its metrics
+    gRPC service (for KEDA's metrics adapter, not run here) wants a TLS key pair."""
+
+    def __init__(self, binary: Path, kubeconfig: Path, namespace: str, workdir: Path) -> None:
+        certs = workdir / "keda-certs"
+        certs.mkdir()
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=keda-operator", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(certs / "tls.key"), "-out", str(certs / "tls.crt")],
+                       check=True, capture_output=True)
+        shutil.copy(certs / "tls.crt", certs / "ca.crt")
+        self.probe_port = free_port()
+        super().__init__([str(binary), f"--metrics-bind-address=127.0.0.1:{free_port()}",
+                          f"--health-probe-bind-address=127.0.0.1:{self.probe_port}",
+                          f"--metrics-service-bind-address=127.0.0.1:{free_port()}",
+                          f"--cert-dir={certs}", f"--ca-dir={certs}"],
+                         log=workdir / "keda.log",
+                         env={"KUBECONFIG": str(kubeconfig), "WATCH_NAMESPACE": namespace,
+                              "POD_NAMESPACE": namespace, "KEDA_CLUSTER_OBJECT_NAMESPACE": namespace})
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.probe_port}/readyz", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:  # not listening yet (URLError and HTTPError are OSErrors)
+            return False
+
+
+@pytest.fixture
+def keda(cluster: Cluster, namespace: str, keda_crd: None, tmp_path: Path) -> Iterator[Keda]:
+    try:
+        binary = binaries.ensure_keda()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    started = Keda(binary, cluster.kubeconfig, namespace, tmp_path)
+    try:
+        wait_for(lambda: started.ready() or started.proc.poll() is not None, timeout=60,
+                 message="KEDA's operator ready")
+        assert started.proc.poll() is None, started.output()[-3000:]
+        yield started
+    finally:
+        started.stop()
 
 
 def _server_validates(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
@@ -75,3 +131,67 @@ def test_the_chart_refuses_more_minimum_than_maximum_replicas() -> None:
     done = _helm("template", "rel", str(CHART), "--set", "keda.enabled=true", "--set", "keda.minReplicas=5",
                  "--set", "keda.maxReplicas=2")
     assert done.returncode != 0 and "keda.minReplicas must not exceed keda.maxReplicas" in done.stderr
+
+
+def test_real_keda_scales_the_agents_from_zero_on_claimable_work_and_back_when_it_is_done(
+        cluster: Cluster, namespace: str, operator: Operator, keda: Keda, tmp_path: Path) -> None:
+    kube = cluster.kube(namespace)
+    agents = yaml.safe_load((ROOT / "examples" / "agent-deployment.yaml").read_text())
+    agents["spec"]["replicas"] = 0
+    kube.create(DEPLOYMENTS, agents)
+    name = agents["metadata"]["name"]
+
+    def replicas() -> int:
+        return int(kube.get(DEPLOYMENTS, name)["spec"]["replicas"])
+
+    def condition(kind: str) -> str | None:
+        found = kube.get(SCALEDOBJECTS, name).get("status", {}).get("conditions", [])
+        return next((c["status"] for c in found if c["type"] == kind), None)
+
+    prometheus = Prometheus(tmp_path, operator.port)
+    try:
+        wait_for(lambda: prometheus.values("tasklease_build_info") != [], timeout=60,
+                 message=f"Prometheus scraping the operator; log:\n{prometheus.output()[-2000:]}")
+        scaled = _scaled_object(namespace, f"keda.queue={QUEUE}", "keda.pollingInterval=1", "keda.cooldownPeriod=1",
+                                f"keda.prometheusAddress=http://127.0.0.1:{prometheus.port}")
+        assert scaled["spec"]["scaleTargetRef"]["name"] == name
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(scaled))
+        # KEDA has polled the trigger (Ready) and found no work (not Active): the agents stay at zero.
+        wait_for(lambda: condition("Ready") == "True" and condition("Active") == "False", timeout=60,
+                 message=f"KEDA taking the ScaledObject on; its log:\n{keda.output()[-3000:]}")
+        assert replicas() == 0
+
+        make_task(kube, "wake-up", queue=QUEUE)
+        wait_for(lambda: replicas() == 1, timeout=60,
+                 message=f"KEDA scaling the agents from zero; its log:\n{keda.output()[-3000:]}")
+        assert condition("Active") == "True"
+
+        # The work done, nothing claimable or running: back to zero after the cooldown.
+        config = cluster.namespaced_kubeconfig(namespace, tmp_path)
+        ran = subprocess.run(tasklease_cmd("run", "--queue", QUEUE, "--", "true"), capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "KUBECONFIG": str(config)})
+        assert ran.returncode == 0, ran.stderr
+        wait_for(lambda: replicas() == 0, timeout=60,
+                 message=f"KEDA scaling the agents back to zero; its log:\n{keda.output()[-3000:]}")
+
+        def reasons() -> set[str]:
+            return {e["reason"] for e in kube.list(EVENTS)["items"] if e["involvedObject"]["kind"] == "ScaledObject"}
+        wait_for(lambda: {"KEDAScaleTargetActivated", "KEDAScaleTargetDeactivated"} <= reasons(), timeout=30,
+                 message="KEDA's Events on the ScaledObject")
+    finally:
+        prometheus.stop()
+
+
+def test_the_build_repeats_a_modules_replaces_of_other_versions_but_not_of_local_folders() -> None:
+    gomod = """module example.com/m
+
+replace (
+\texample.com/a v1.0.0 => example.com/a v1.0.1 // a fix
+\texample.com/b => ./staging/b
+)
+
+replace example.com/c v0.1.0 => example.com/d v0.2.0
+replace example.com/e => ../e
+"""
+    assert binaries.module_replaces(gomod) == ["example.com/a v1.0.0 => example.com/a v1.0.1",
+                                               "example.com/c v0.1.0 => example.com/d v0.2.0"]

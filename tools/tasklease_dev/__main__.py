@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("kind-up", help="a 2-node kind cluster from kind-config.yaml in a network namespace; root")
     sub.add_parser("kind-down", help="remove the kind cluster and everything it changed on this machine; root")
     sub.add_parser("kind-build", help="build what kind-up needs (components, base and project images); root")
-    sub.add_parser("build", help="build (or find) etcd, kube-apiserver, kube-controller-manager, kubectl and helm")
+    sub.add_parser("build", help="build (or find) etcd, kube-apiserver, kube-controller-manager, kubectl, helm, KEDA")
     args = parser.parse_args(argv)
 
     cluster = LocalCluster(args.workdir, args.kubeconfig)
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(bins.kube_apiserver.parent)
         print(binaries.ensure_kubectl())
         print(binaries.ensure_helm())
+        print(binaries.ensure_keda())
         return 0
     if args.command in ("down", "node-down"):
         try:

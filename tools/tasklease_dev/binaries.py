@@ -21,6 +21,8 @@ from pathlib import Path
 
 KUBERNETES_VERSION = "v1.35.4"
 HELM_VERSION = "v3.22.0"
+KEDA_VERSION = "v2.21.0"
+KEDA_MODULE = "github.com/kedacore/keda/v2"
 
 _STAGING_REPLACE = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", re.MULTILINE)
 _ETCD_REQUIRE = re.compile(r"^\s*go\.etcd\.io/etcd/server/v3\s+(v[\w.+-]+)", re.MULTILINE)
@@ -91,6 +93,46 @@ def ensure_helm(version: str = HELM_VERSION) -> Path:
     return target
 
 
+def keda_module_dir(version: str = KEDA_VERSION) -> Path:
+    """KEDA's module in the Go module cache (its CRDs are in config/crd/bases)."""
+    return Path(_go_mod_download(f"{KEDA_MODULE}@{version}")["Dir"])
+
+
+def ensure_keda(version: str = KEDA_VERSION) -> Path:
+    """KEDA's operator (cmd/operator), which scales a workload between zero and one replica itself."""
+    target = cache_root() / f"keda-{version}" / "bin" / "keda-operator"
+    if not target.exists():
+        gomod = (keda_module_dir(version) / "go.mod").read_text()
+        _go_build(
+            module=f"{KEDA_MODULE} {version}",
+            packages=[f"{KEDA_MODULE}/cmd/operator@{version}"],
+            replaces=module_replaces(gomod),
+            ldflags=f"-s -w -X {KEDA_MODULE}/version.Version={version.removeprefix('v')}",
+            out_dir=target.parent,
+            label=f"the KEDA operator {version}",
+            renames={"operator": "keda-operator"},
+        )
+    return target
+
+
+def module_replaces(gomod: str) -> list[str]:
+    """A go.mod's replace directives to other module versions (not to local folders): Go
+    ignores them in a dependency, so the wrapper module repeats them."""
+    found: list[str] = []
+    in_block = False
+    for raw in gomod.splitlines():
+        line = raw.split("//")[0].strip()
+        if line == "replace (":
+            in_block = True
+        elif in_block and line == ")":
+            in_block = False
+        elif in_block or line.startswith("replace "):
+            body = line.removeprefix("replace ").strip()
+            if "=>" in body and not body.split("=>")[1].strip().startswith(("./", "../", "/")):
+                found.append(body)
+    return found
+
+
 def ensure_kubectl() -> Path:
     """The machine's kubectl when present; otherwise the one the `kubectl` wheel ships."""
     found = shutil.which("kubectl")
@@ -107,11 +149,18 @@ def ensure_kubectl() -> Path:
 
 
 def _kubernetes_gomod(version: str) -> str:
-    out = subprocess.run(
-        ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{version}"],
-        check=True, capture_output=True, text=True, env=_go_env(),
-    )
-    return Path(json.loads(out.stdout)["GoMod"]).read_text()
+    return Path(_go_mod_download(f"k8s.io/kubernetes@{version}")["GoMod"]).read_text()
+
+
+def _go_mod_download(module: str) -> dict[str, str]:
+    if shutil.which("go") is None:
+        raise RuntimeError(f"fetching {module} needs the Go toolchain (`go`) on PATH")
+    out = subprocess.run(["go", "mod", "download", "-json", module], capture_output=True, text=True, env=_go_env(),
+                         cwd="/")
+    if out.returncode != 0:
+        raise RuntimeError(f"cannot download {module} from the Go module proxy: {out.stdout}{out.stderr}".strip())
+    found: dict[str, str] = json.loads(out.stdout)
+    return found
 
 
 def _build_kubernetes(
