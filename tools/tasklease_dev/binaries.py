@@ -4,7 +4,8 @@ There is no container runtime and no release download on the machines this runs
 on, so kube-apiserver, kube-controller-manager, etcd and helm are compiled from
 the Go module proxy. `k8s.io/kubernetes` maps its staging modules with
 ``replace => ./staging/...`` lines, which Go ignores in a dependency; a small
-wrapper module repeats them as ``replace k8s.io/x => k8s.io/x v0.N.P``.
+wrapper module repeats them as ``replace k8s.io/x => k8s.io/x v0.N.P``. KEDA's operator
+(for tests/test_keda.py) is built the same way, repeating the replaces of KEDA's go.mod.
 """
 
 from __future__ import annotations
