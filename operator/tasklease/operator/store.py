@@ -105,7 +105,7 @@ class Store:
             return None
         try:
             rec = record.decode(obj)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("lease %s/%s cannot be read at all; ignoring it", *key)
             metrics.MALFORMED.labels("Lease", "unreadable").inc()
             kind, rec = "DELETED", None  # a version we cannot read must not stay held as if current
