@@ -1,4 +1,4 @@
-"""The operator's reactions, in one place: from watched Tasks, Leases and Pods to writes.
+"""The operator's reconcile loop: watch events into the store and the work queue, each key's decision into writes.
 
 Three parts, as controller-runtime keeps them apart: the `store.Store` (the picture of
 Tasks and Leases), the `workqueue.WorkQueue` (which keys, when) and `decision` (what to
