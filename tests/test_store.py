@@ -130,7 +130,7 @@ def test_a_lease_that_cannot_be_read_drops_the_one_held_and_is_counted() -> None
     before = malformed("Lease")
     assert s.lease_event("MODIFIED", unreadable) == KEY
     assert malformed("Lease") == before + 1
-    assert not s.has_lease(KEY)
+    assert s.entry(KEY) == (None, None)
     assert s.lease_event("MODIFIED", {"metadata": {}}) is None  # not even a name: skipped
     assert malformed("Lease") == before + 2
 
@@ -205,3 +205,12 @@ def test_a_malformed_lease_is_reported_once_per_attempt_and_kind_of_problem() ->
     assert s.first_report(bad) and not s.first_report(bad)
     assert s.first_report(replace(rec, malformed=("history", "outcome")))
     assert s.first_report(replace(rec, epoch=2, malformed=("history",)))  # the next attempt's is news again
+
+
+def test_an_older_lease_version_that_cannot_be_read_leaves_the_newer_one_held() -> None:
+    s = store(Clock())
+    s.lease_event("ADDED", lease("10", holder="p/1", epoch=1))
+    older = lease("9", holder="p/1", epoch=1)
+    older["spec"] = "not a map"
+    s.lease_event("ADDED", older)  # a seeding list behind the watch
+    assert held_rv(s) == "10"

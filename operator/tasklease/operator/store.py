@@ -103,18 +103,20 @@ class Store:
         except (KeyError, TypeError) as exc:
             _skip("Lease", obj, exc)
             return None
+        incoming = version(str(obj["metadata"].get("resourceVersion", "")))
         try:
             rec = record.decode(obj)
         except (ValueError, KeyError, TypeError, AttributeError):
-            log.warning("lease %s/%s cannot be read at all; ignoring it", *key)
-            metrics.MALFORMED.labels("Lease", "unreadable").inc()
-            kind, rec = "DELETED", None  # a version we cannot read must not stay held as if current
+            rec = None
         with self._lock:
-            if kind == "DELETED" or rec is None:
-                self._forget_lease(key)
-                return key
             held = self._leases.get(key)
-            if held is not None and _older(version(rec.resource_version), version(held.resource_version)):
+            if kind != "DELETED" and held is not None and _older(incoming, version(held.resource_version)):
+                return key
+            if rec is None and kind != "DELETED":
+                log.warning("lease %s/%s cannot be read at all; ignoring it", *key)
+                metrics.MALFORMED.labels("Lease", "unreadable").inc()
+            if kind == "DELETED" or rec is None:
+                self._forget_lease(key)  # a version we cannot read must not stay held as if current
                 return key
             if rec.malformed:
                 log.warning("lease %s/%s: ignoring what cannot be read of it (%s)", *key, ", ".join(rec.malformed))
@@ -151,10 +153,6 @@ class Store:
     def task_keys(self) -> list[Key]:
         with self._lock:
             return list(self._tasks)
-
-    def has_lease(self, key: Key) -> bool:
-        with self._lock:
-            return key in self._leases
 
     def observed(self, key: Key, rec: LeaseRecord | None) -> decision.Observed:
         """What our clocks saw of `rec` (the Lease `entry` gave), for `decision`."""
