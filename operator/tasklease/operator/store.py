@@ -7,7 +7,7 @@ and `observed` (what our own clocks saw of that Lease, for `decision`), and hand
 it wrote (`remember`, `wrote_task`) and what it projected (`projected`).
 
 - Kept slim (`slim.SlimTask`, `slim.SlimLease`): memory per task is what decisions need.
-- A version older than the one held is ignored: a list that outlived its snapshot replays
+- A version no newer than the one held is ignored: a list that outlived its snapshot replays
   older news of objects it listed later, and a seeding list can lag the watch. Versions
   are compared as the API server makes them (etcd revisions, increasing across every
   object, so a recreated object's are newer too); one that is not a number counts as newer.
@@ -17,7 +17,7 @@ it wrote (`remember`, `wrote_task`) and what it projected (`projected`).
 - The observation clocks (`expiry.LeaseClock`, `timeouts.AttemptClock`, the `Sighting`s)
   live here because every Lease version feeds them as it arrives.
 
-Thread-safe behind one lock, no I/O, clocks injected.
+Thread-safe behind one lock, no API calls, clocks injected.
 """
 
 from __future__ import annotations
