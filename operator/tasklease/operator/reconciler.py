@@ -1,7 +1,9 @@
-"""The operator's reactions, in one place: from watched Tasks, Leases and Pods to writes.
+"""The operator's reconcile loop: watch events into the store and the work queue, each key's decision into writes.
 
-Watch events (from kopf, in `controller`) only update the in-memory picture and queue
-the task's key in the `workqueue.WorkQueue`, after a short coalescing window (`coalesce_s`):
+Three parts, as controller-runtime keeps them apart: the `store.Store` (the picture of
+Tasks and Leases), the `workqueue.WorkQueue` (which keys, when) and `decision` (what to
+write, when to look again). Watch events (from kopf and the Reflectors, in `controller`)
+only update the store and queue the task's key, after a short coalescing window (`coalesce_s`):
 every event of one task within that window makes one reconcile, so a task claimed and
 finished within it gets one status write. Worker threads reconcile keys one at a time per key:
 
@@ -17,27 +19,26 @@ finished within it gets one status write. Worker threads reconcile keys one at a
 
 Every write is conditional on what was observed; a 409 means the world moved and a
 newer watch event will bring the key back. Standby replicas keep the picture current but
-do not write until they lead.
+do not write until they lead; becoming the leader starts a seeding thread (`activate`),
+and no key is reconciled before it has listed the Leases.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
 
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, decision, events, metrics, projection, timeouts
-from tasklease.operator.claimable import Waits
-from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease
+from tasklease.operator.slim import SlimTask
+from tasklease.operator.store import Key, Store
 from tasklease.protocol import record
-from tasklease.operator.expiry import LeaseClock, Monotonic, PodsGone
+from tasklease.operator.expiry import Monotonic
 from tasklease.operator.workqueue import WorkQueue
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import LeaseRecord, Protocol, TaskView
@@ -45,16 +46,10 @@ from tasklease.api.models import Phase
 
 log = logging.getLogger("tasklease.operator")
 
-Key = tuple[str, str]  # (namespace, name)
-_TERMINATED_POD_PHASES = ("Succeeded", "Failed")
 _CONFLICT_RETRY_S = 0.2  # the first retry after a 409 (backoff base); other errors start at 1 s
 _RETRY_CAP_S = 30.0
-# A gone Pod is remembered this long (longer than any lease duration), then forgotten.
-_POD_MEMORY_S = 2 * 3600.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
-
-
 
 
 class Reconciler:
@@ -66,11 +61,9 @@ class Reconciler:
         self.kube = kube
         self.settings = decision.Settings(grace_s=grace_s, attempt_timeout_s=attempt_timeout_s, rand=rand)
         self.namespaces = namespaces  # None: all
-        # The API server's time: the Task's times are judged by it. A claim's sighting is
-        # stamped with its latest bound (a claim is never taken for early wrongly), the rest
-        # with its earliest, as the agents judge. A test pins one clock for both.
+        # The API server's time: the Task's times are judged by it (the store stamps a
+        # claim's sighting with its latest bound). A test pins one clock for both.
         self.clock = clock or kube.now
-        self.late_clock = clock or kube.server_clock.latest
         self.protocol = Protocol(kube, clock=self.clock)
         self.monotonic = monotonic
         self.component = component
@@ -82,128 +75,38 @@ class Reconciler:
         self.caught_up = threading.Event()
         self._backlog: set[Key] | None = None  # None: not counted yet
         self._term = 0  # counts activations and deactivations: a seeding acts for the term it began in
-        self._tasks: dict[Key, SlimTask] = {}
-        self._leases: dict[Key, SlimLease] = {}
-        self._sightings: dict[Key, decision.Sighting] = {}
-        self._reported: dict[Key, tuple[int, frozenset[str]]] = {}  # (epoch, what) we posted an Event for
-        self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
         self.problem = ""  # a permanent error (no rights): readiness reports it until a write succeeds
-        self._lease_clock: LeaseClock[Key] = LeaseClock(monotonic)
-        self._attempts: timeouts.AttemptClock[Key] = timeouts.AttemptClock(monotonic)
+        self.store = Store(monotonic=monotonic, clock=self.clock, late_clock=clock or kube.server_clock.latest)
         self.queue: WorkQueue[Key] = WorkQueue(monotonic, coalesce_s=coalesce_s)
-        self._phases: dict[Key, tuple[str, str]] = {}  # (queue, phase) as last projected
-        self._phase_values: dict[tuple[str, str], tuple[str, str]] = {}  # one tuple per value, shared by its tasks
-        self._queues: set[tuple[str, str]] = set()  # (namespace, queue) seen: their series exist
-        self._lock = threading.Lock()  # guards the picture; the queue has its own
+        self._lock = threading.Lock()  # guards the term and the backlog; the store and the queue have their own
         metrics.OLDEST_PENDING.source = self.oldest_pending
-        self._waits: Waits[Key] = Waits()  # for the claimable-now gauges
         metrics.CLAIMABLE.source = self.claimable
 
     # -- intake: called from watch handlers; quick, no I/O --------------------------------
 
     def on_task(self, kind: str, obj: JSON) -> None:
-        key = _key(obj)
-        with self._lock:
-            if kind == "DELETED":
-                self._tasks.pop(key, None)
-                self._set_phase(key, None)
-            else:
-                self._tasks[key] = slim(obj)
-                where = (key[0], str((obj.get("spec") or {}).get("queue", "")))
-                if where not in self._queues:
-                    self._queues.add(where)
-                    metrics.known_queue(*where)
+        key = self.store.task_event(kind, obj)
+        if key is not None:
             self.queue.add_soon(key)
+
+    def on_lease(self, kind: str, obj: JSON) -> None:
+        key = self.store.lease_event(kind, obj)
+        if key is not None:
+            self.queue.add_soon(key)
+
+    def on_pod(self, kind: str, obj: JSON) -> None:
+        for key in self.store.pod_event(kind, obj):
+            self.queue.add(key)
 
     def oldest_pending(self) -> list[tuple[str, str, float]]:
         """(namespace, queue, age in seconds of its oldest Pending task) for every known queue."""
-        now = self.clock()
-        with self._lock:
-            oldest = dict.fromkeys(self._queues, 0.0)
-            for key, (queue, phase) in self._phases.items():
-                task = self._tasks.get(key)
-                if phase != Phase.PENDING.value or task is None:
-                    continue
-                created = timestamps.parse_time(task.created) or now
-                where = (key[0], queue)
-                oldest[where] = max(oldest.get(where, 0.0), (now - created).total_seconds())
-        return [(ns, queue, age) for (ns, queue), age in sorted(oldest.items())]
+        return self.store.oldest_pending(self.clock())
 
     def claimable(self) -> list[tuple[str, str, int, float]]:
         """(namespace, queue, tasks claimable now, seconds the oldest has been) for every known queue."""
-        now = self.clock()
-        with self._lock:
-            pending = ((key, (key[0], queue), task.created) for key, (queue, phase) in self._phases.items()
-                       if phase == Phase.PENDING.value and (task := self._tasks.get(key)) is not None)
-            return self._waits.per_queue(self._queues, pending, now)
+        return self.store.claimable(self.clock())
 
-    def on_lease(self, kind: str, obj: JSON) -> None:
-        key = _key(obj)
-        with self._lock:
-            self._apply_lease(key, kind, obj)
-            self.queue.add_soon(key)
-
-    def _apply_lease(self, key: Key, kind: str, obj: JSON) -> None:
-        """Caller holds the lock."""
-        try:
-            rec = record.decode(obj)
-        except (ValueError, KeyError, TypeError):
-            log.warning("lease %s/%s cannot be read at all; ignoring it", *key)
-            metrics.MALFORMED.labels("Lease", "unreadable").inc()
-            kind = "DELETED"  # a version we cannot read must not stay cached as if current
-        if kind == "DELETED":
-            self._leases.pop(key, None)
-            self._sightings.pop(key, None)
-            self._reported.pop(key, None)
-            self._lease_clock.forget(key)
-            self._attempts.forget(key)
-            return
-        if rec.malformed:
-            log.warning("lease %s/%s: ignoring what cannot be read of it (%s)", *key, ", ".join(rec.malformed))
-            for reason in rec.malformed:
-                metrics.MALFORMED.labels("Lease", reason).inc()
-        self._cache(key, rec)
-
-    def _cache(self, key: Key, rec: LeaseRecord) -> None:
-        """Caller holds the lock."""
-        self._leases[key] = slim_lease(rec)
-        before = self._sightings.get(key)
-        if before is None or (before.epoch, before.state) != (rec.epoch, rec.state):
-            if rec.state == record.CLOSED:
-                self._sightings.pop(key, None)
-            else:
-                held = rec.state == record.HELD
-                self._sightings[key] = decision.Sighting(
-                    rec.epoch, rec.state, self.late_clock() if held else self.clock(),
-                    witnessed=not held and before is not None and before.state == record.HELD
-                    and before.epoch == rec.epoch)
-        self._attempts.observe(key, rec)  # an attempt's timeout runs from when we first see its claim
-        if rec.state == record.HELD:
-            # The moment we first see this version is what expiry is measured from.
-            self._lease_clock.observe(key, rec.resource_version)
-        else:
-            self._lease_clock.forget(key)
-
-    def on_pod(self, kind: str, obj: JSON) -> None:
-        meta = obj["metadata"]
-        pod = (meta["namespace"], meta["name"])
-        alive = kind != "DELETED" and (obj.get("status") or {}).get("phase") not in _TERMINATED_POD_PHASES
-        with self._lock:
-            if alive:
-                # A new pod of the same name (a StatefulSet's) is not the one that went away.
-                self._pods_gone.alive(pod)
-                return
-            if not self._pods_gone.gone(pod, record.short_uid(str(meta.get("uid", "")))):
-                return
-            for key, lease in self._leases.items():
-                if key[0] == pod[0] and lease.held_by_pod == pod[1]:
-                    self.queue.add(key)
-
-    def _holder_pod_gone(self, key: Key, rec: LeaseRecord) -> bool:
-        """Caller holds the lock. True when the holder's own Pod went away (`PodsGone`)."""
-        first_seen = self._lease_clock.first_seen(key)
-        return first_seen is not None and self._pods_gone.took((rec.namespace, rec.holder_pod), rec.holder_pod_uid,
-                                                               first_seen=first_seen)
+    # -- leadership ------------------------------------------------------------------------
 
     def activate(self) -> None:
         """Start acting (we lead). Returns at once: the seeding runs on its own thread, never
@@ -222,12 +125,12 @@ class Reconciler:
         with self._lock:
             if term != self._term:
                 return
-            self._lease_clock.restart_all()
+            self.store.restart_clocks()
             self.caught_up.clear()
             self._backlog = None
             self.active.set()
             metrics.LEADER.set(1)
-            for key in self._tasks:  # a Lease without a Task comes back with its own next event
+            for key in self.store.task_keys():  # a Lease without a Task comes back with its own next event
                 self.queue.add(key)
         self._seed_tasks(term)
 
@@ -264,12 +167,10 @@ class Reconciler:
         while True:
             try:
                 for page in self.kube.list_pages(TASKS, namespace=ns, all_namespaces=ns is None, start=start):
-                    with self._lock:
-                        for obj in page.get("items", []):
-                            key = _key(obj)
+                    for obj in page.get("items", []):
+                        key = self.store.task_event("ADDED", obj)  # the watch may be ahead: kept if newer
+                        if key is not None:
                             backlog.add(key)
-                            if key not in self._tasks:  # the watch may be ahead
-                                self._tasks[key] = slim(obj)
                             self.queue.add(key)
                 return
             except errors.Gone as exc:
@@ -296,11 +197,8 @@ class Reconciler:
                                 "; relying on the watch" if attempt + 1 == _SEED_TRIES else "; retrying")
             else:
                 continue
-            with self._lock:
-                for obj in listed.get("items", []):
-                    key = _key(obj)
-                    if key not in self._leases:  # the watch may have brought a newer one already
-                        self._apply_lease(key, "ADDED", obj)
+            for obj in listed.get("items", []):
+                self.store.lease_event("ADDED", obj)  # the watch may have brought a newer one already
 
     def deactivate(self) -> None:
         with self._lock:
@@ -357,8 +255,7 @@ class Reconciler:
     # -- one key -------------------------------------------------------------------------------
 
     def reconcile(self, key: Key) -> None:
-        with self._lock:
-            entry, lease = self._tasks.get(key), self._leases.get(key)
+        entry, lease = self.store.entry(key)
         rec = lease.record() if lease is not None else None
         task = entry.json() if entry is not None else None
         if rec is not None and (task is None or rec.owner_uid != task["metadata"]["uid"]):
@@ -396,27 +293,12 @@ class Reconciler:
         log.warning("lease %s/%s: its labels were removed; putting them back", rec.namespace, rec.name)
         return self._remember(None, self.protocol.repair(TaskView.of(task), rec))
 
-    def _observed(self, key: Key, rec: LeaseRecord | None) -> decision.Observed:
-        """What our clocks saw of `rec`, from the store, for `decision`."""
-        with self._lock:
-            seen = self._lease_clock.seen(key)
-            attempt = self._attempts.sighting(key)
-            held = rec is not None and rec.state == record.HELD
-            return decision.Observed(
-                sighting=self._sightings.get(key),
-                held_since=seen.first_seen if held and seen is not None and rec is not None
-                and seen.resource_version == rec.resource_version else None,
-                silent_s=self._lease_clock.silent_for(key),
-                attempt_since=attempt.first_seen if held and attempt is not None and rec is not None
-                and attempt.epoch == rec.epoch else None,
-                pod_gone=held and rec is not None and self._holder_pod_gone(key, rec))
-
     def _now(self) -> decision.Now:
         return decision.Now(wall=self.clock(), mono=self.monotonic())
 
     def _act(self, view: TaskView, rec: LeaseRecord | None) -> LeaseRecord | None:
         """Steps 1 and 2: at most one protocol write (`decision.decide`); returns the Lease as it now is."""
-        action = decision.decide(view, rec, self._observed((view.namespace, view.name), rec), self._now(),
+        action = decision.decide(view, rec, self.store.observed((view.namespace, view.name), rec), self._now(),
                                  self.settings)
         if action is None:
             return rec
@@ -446,13 +328,8 @@ class Reconciler:
     def _report_malformed(self, task: JSON, rec: LeaseRecord) -> None:
         """A Warning Event on the Task naming what could not be read: once per attempt and
         kind of problem (our own write-back of the same Lease is not news)."""
-        key = (rec.namespace, rec.name)
-        with self._lock:
-            epoch, told = self._reported.get(key, (rec.epoch, frozenset()))
-            told = told if epoch == rec.epoch else frozenset()
-            if told.issuperset(rec.malformed):
-                return
-            self._reported[key] = (rec.epoch, told | set(rec.malformed))
+        if not self.store.first_report(rec):
+            return
         self._announce(task, projection.Transition(
             "Warning", "MalformedLease",
             f"its Lease has fields that cannot be used ({', '.join(rec.malformed)}); they are ignored or cut"),
@@ -465,9 +342,7 @@ class Reconciler:
         now = self.clock()
         new = projection.project(task, rec, old=old, now=now)
         queue = entry.queue
-        with self._lock:
-            self._set_phase(key, (queue, new.phase.value))
-            self._waits.note(key, TaskView.of(task), rec, pending=new.phase is Phase.PENDING, now=now)
+        self.store.projected(key, queue, TaskView.of(task), rec, phase=new.phase, now=now)
         if (task.get("status") and projection.same(old, new)) or projection.unwritten(old, new):
             return
         body = {**task, "status": new.model_dump(mode="json", by_alias=True, exclude_none=True)}
@@ -477,21 +352,13 @@ class Reconciler:
             metrics.STATUS_WRITES.labels("conflict").inc()
             raise
         except errors.NotFound:
-            # Gone while we looked (a relist may not report it as deleted): forget it.
-            with self._lock:
-                if self._tasks.get(key) is entry:
-                    self._tasks.pop(key)
-                    self._set_phase(key, None)
+            self.store.task_gone(key, entry)
             return
         except errors.TaskleaseError:
             metrics.STATUS_WRITES.labels("error").inc()
             raise
         metrics.STATUS_WRITES.labels("ok").inc()
-        with self._lock:
-            # Keep our write only if the watch has not brought anything newer meanwhile
-            # (a cancel made right after our write must not be hidden by it).
-            if self._tasks.get(key) is entry:
-                self._tasks[key] = slim(written)
+        self.store.wrote_task(key, entry, written)
         _observe_attempts(key[0], queue, written, old, new)
         for t in projection.transitions(old, new):
             self._announce(written, t, queue, post=self.happy_events or not t.happy)
@@ -518,8 +385,7 @@ class Reconciler:
         """Delete a finished Task whose TTL ran out (its Lease follows: the garbage collector,
         or our orphan removal when the deletion comes back through the watch). True when
         deleted. Conditional on the Task as we know it: a Task changed meanwhile is kept."""
-        with self._lock:
-            entry = self._tasks.get(key)
+        entry = self.store.task(key)
         if entry is None:
             return False
         task = entry.json()
@@ -540,34 +406,18 @@ class Reconciler:
 
     def _schedule(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> None:
         """Step 4: when this key needs a look without any event (`decision.next_look`)."""
-        with self._lock:
-            entry = self._tasks.get(key)
+        entry = self.store.task(key)
         status = models.TaskStatus.model_validate((entry.json() if entry else {}).get("status") or {})
         delete_at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
-        at = decision.next_look(view, rec, self._observed(key, rec), self._now(), self.settings, delete_at=delete_at)
+        at = decision.next_look(view, rec, self.store.observed(key, rec), self._now(), self.settings,
+                                delete_at=delete_at)
         if at is not None:
             self.queue.add_at(key, at)
 
     def _remember(self, before: LeaseRecord | None, after: LeaseRecord) -> LeaseRecord:
-        """Cache our own write, unless the watch already brought something newer (say, the
-        next claim): that must keep its own observation time, or it would never expire."""
-        key = (after.namespace, after.name)
-        with self._lock:
-            current = self._leases.get(key)
-            if current is None or before is None or current.resource_version == before.resource_version:
-                self._cache(key, after)
+        """Our own write, handed to the store (`Store.remember`); returns it."""
+        self.store.remember(before, after)
         return after
-
-    def _set_phase(self, key: Key, value: tuple[str, str] | None) -> None:
-        """Caller holds the lock. Keeps the tasks-by-queue-and-phase gauge exact."""
-        before = self._phases.pop(key, None)
-        if value is None:
-            self._waits.forget(key)
-        if before is not None:
-            metrics.TASKS.labels(key[0], *before).dec()
-        if value is not None:
-            self._phases[key] = self._phase_values.setdefault(value, value)
-            metrics.TASKS.labels(key[0], *value).inc()
 
 
 def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskStatus,
@@ -590,8 +440,3 @@ def _observe_attempts(namespace: str, queue: str, task: JSON, old: models.TaskSt
 def _claimed_before(task: JSON) -> bool:
     status = task.get("status") or {}
     return bool(status.get("attempt") or status.get("holder"))
-
-
-def _key(obj: JSON) -> Key:
-    meta: dict[str, Any] = obj["metadata"]
-    return (sys.intern(meta["namespace"]), meta["name"])  # one namespace string for all its keys

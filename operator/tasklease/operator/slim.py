@@ -74,12 +74,14 @@ _LEASES = _Packer(_common_lease())
 
 @dataclass(slots=True)
 class SlimTask:
-    """One Task as the reconciler keeps it: the two fields read without reconciling it (they
-    feed the metrics), and the rest deflated."""
+    """One Task as the reconciler keeps it: the fields read without reconciling it (they
+    feed the metrics and order its versions), and the rest deflated."""
 
     queue: str
     created: str  # metadata.creationTimestamp
+    version: int  # metadata.resourceVersion (`version`)
     packed: bytes
+    projected: tuple[str, str] | None = None  # (queue, phase) as last projected, for the gauges
 
     def json(self) -> JSON:
         return _TASKS.unpack(self.packed)
@@ -98,7 +100,13 @@ def slim(task: JSON) -> SlimTask:
                           "status": task.get("status")})
     # Interned: thousands of Tasks share a queue and a creation second.
     return SlimTask(queue=sys.intern(str(spec.get("queue", ""))),
-                    created=sys.intern(str(meta.get("creationTimestamp", ""))), packed=packed)
+                    created=sys.intern(str(meta.get("creationTimestamp", ""))),
+                    version=version(str(meta.get("resourceVersion", ""))), packed=packed)
+
+
+def version(resource_version: str) -> int:
+    """A resourceVersion as the number the API server makes it (an etcd revision), or -1."""
+    return int(resource_version) if resource_version.isascii() and resource_version.isdigit() else -1
 
 
 @dataclass(slots=True)

@@ -1,0 +1,207 @@
+"""The reconciler without a control plane: watch events become queued keys, and leadership
+seeding runs on its own thread, before which nothing is decided (a fake Kube, injected clocks)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+pytest.importorskip("prometheus_client")  # the operator's extra: not on the SDK-only Pythons of `make unit-all`
+
+from fake_kube import FakeKube  # noqa: E402
+from tasklease.kube import JSON, LEASES, TASKS, Resource  # noqa: E402
+from tasklease.operator.reconciler import Reconciler  # noqa: E402
+from tasklease.protocol import LeaseRecord, record  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+KEY = ("ns", "t")
+DEADLINE_S = 10.0  # a generous bound on a loaded machine; each wait ends as soon as it holds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class ListingKube(FakeKube):
+    """Lists what it holds; a Lease list waits for `release`, and says which thread asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.listing = threading.Event()
+        self.lister: threading.Thread | None = None
+        self.task_lists = 0
+
+    def list(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
+             label_selector: str = "", timeout: float = 30, **_: Any) -> JSON:
+        self.lister = threading.current_thread()
+        self.listing.set()
+        assert self.release.wait(DEADLINE_S), "the test never released the list"
+        return {"metadata": {"resourceVersion": str(self._rv)}, "items": self._items(res)}
+
+    def list_pages(self, res: Resource, **_: Any) -> Iterator[JSON]:
+        self.task_lists += 1
+        yield {"metadata": {"resourceVersion": str(self._rv)}, "items": self._items(res)}
+
+    def _items(self, res: Resource) -> list[JSON]:
+        return [obj for (plural, _, _), obj in self.objects.items() if plural == res.plural]
+
+
+def task(name: str = "t", **spec: Any) -> JSON:
+    return {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task",
+            "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "generation": 1,
+                         "creationTimestamp": "2029-12-31T00:00:00Z"},
+            "spec": {"queue": "q", **spec}, "status": {}}
+
+
+def held_lease(name: str = "t", holder: str = "agent-0/1") -> JSON:
+    return record.encode(LeaseRecord(name=name, namespace="ns", queue="q", owner_uid=f"uid-{name}", holder=holder,
+                                     epoch=1, acquired_at=NOW, renewed_at=NOW))
+
+
+def reconciler(kube: FakeKube, clock: Clock, **kw: Any) -> Reconciler:
+    return Reconciler(kube, grace_s=1.0, clock=lambda: NOW, monotonic=clock, **kw)  # type: ignore[arg-type]
+
+
+def drain(r: Reconciler) -> list[tuple[str, str]]:
+    keys = []
+    r.queue.max_wait_s = 0.0  # `get` never blocks here
+    while (key := r.queue.get()) is not None:
+        keys.append(key)
+        r.queue.done(key)
+    return keys
+
+
+def until(condition: Any, message: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {message}"
+        time.sleep(0.01)
+
+
+# -- intake ----------------------------------------------------------------------------------
+
+
+def test_each_watch_event_queues_its_tasks_key_once() -> None:
+    kube = FakeKube()
+    r = reconciler(kube, Clock())
+    r.on_task("ADDED", kube.put(TASKS, task()))
+    r.on_lease("ADDED", kube.put(LEASES, held_lease()))
+    r.on_task("ADDED", kube.put(TASKS, task("u")))
+    assert drain(r) == [KEY, ("ns", "u")]
+    entry, lease = r.store.entry(KEY)
+    assert entry is not None and lease is not None and lease.held_by_pod == "agent-0"
+
+
+def test_the_events_of_one_coalescing_window_make_one_reconcile() -> None:
+    kube, clock = FakeKube(), Clock()
+    r = reconciler(kube, clock, coalesce_s=0.5)
+    r.on_task("ADDED", kube.put(TASKS, task()))
+    r.on_lease("ADDED", kube.put(LEASES, held_lease()))
+    assert drain(r) == []  # the window is open
+    clock.t += 0.5
+    assert drain(r) == [KEY]
+
+
+def test_an_unreadable_event_queues_nothing() -> None:
+    r = reconciler(FakeKube(), Clock())
+    r.on_task("ADDED", {"metadata": {"namespace": "ns"}})
+    r.on_lease("ADDED", {"metadata": {}})
+    assert drain(r) == []
+
+
+def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:
+    kube = FakeKube()
+    r = reconciler(kube, Clock())
+    r.on_task("ADDED", kube.put(TASKS, task()))
+    r.on_lease("ADDED", kube.put(LEASES, held_lease()))
+    drain(r)
+    r.on_pod("MODIFIED", {"metadata": {"namespace": "ns", "name": "agent-0", "uid": "p1"}, "status": {}})
+    assert drain(r) == []  # alive
+    r.on_pod("DELETED", {"metadata": {"namespace": "ns", "name": "agent-0", "uid": "p1"}})
+    assert drain(r) == [KEY]
+
+
+# -- leadership seeding ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def stop() -> Iterator[threading.Event]:
+    stopped = threading.Event()
+    yield stopped
+    stopped.set()
+
+
+def test_seeding_runs_off_the_election_thread_and_nothing_is_decided_before_it(stop: threading.Event) -> None:
+    kube = ListingKube()
+    r = reconciler(kube, Clock(), workers=1)
+    r.queue.max_wait_s = 0.05
+    r.on_task("ADDED", kube.put(TASKS, task(cancel=True)))  # a decision would write at once
+    threading.Thread(target=r.run, args=(stop,), daemon=True).start()
+    r.activate()  # returns while the Lease list is still under way
+    assert kube.listing.wait(DEADLINE_S)
+    assert kube.lister is not threading.current_thread() and kube.lister.name == "seed"
+    until(r.queue.idle, "the queued key taken and put back")
+    assert not r.active.is_set() and kube.writes == []  # not seeded: not decided
+    kube.release.set()
+    assert r.caught_up.wait(DEADLINE_S), "every task reconciled once"
+    assert r.active.is_set() and kube.task_lists == 1
+    assert [verb for verb, plural, _ in kube.writes if plural == "leases"] == ["create"]  # the cancel, closed
+
+
+def test_losing_leadership_during_seeding_stops_it(stop: threading.Event) -> None:
+    kube = ListingKube()
+    r = reconciler(kube, Clock(), workers=1)
+    r.queue.max_wait_s = 0.05
+    r.on_task("ADDED", kube.put(TASKS, task(cancel=True)))
+    threading.Thread(target=r.run, args=(stop,), daemon=True).start()
+    r.activate()
+    assert kube.listing.wait(DEADLINE_S)
+    r.deactivate()
+    kube.release.set()
+    assert kube.lister is not None
+    kube.lister.join(DEADLINE_S)
+    assert not kube.lister.is_alive()
+    assert not r.active.is_set() and kube.task_lists == 0
+    until(r.queue.idle, "the queued key taken and put back")
+    assert kube.writes == []
+
+
+def test_a_leader_that_steps_down_decides_nothing_more(stop: threading.Event) -> None:
+    kube = ListingKube()
+    kube.release.set()
+    r = reconciler(kube, Clock(), workers=1)
+    r.queue.max_wait_s = 0.05
+    threading.Thread(target=r.run, args=(stop,), daemon=True).start()
+    r.activate()
+    assert r.caught_up.wait(DEADLINE_S)
+    r.deactivate()
+    assert not r.active.is_set() and not r.caught_up.is_set()
+    r.on_task("ADDED", kube.put(TASKS, task(cancel=True)))
+    until(r.queue.idle, "the new key taken and put back")
+    assert kube.writes == []
+
+
+def test_seeding_takes_in_the_listed_leases_before_any_task_is_judged() -> None:
+    kube = ListingKube()
+    kube.release.set()
+    r = reconciler(kube, Clock())
+    kube.put(TASKS, task())
+    kube.put(LEASES, held_lease())  # held before we led; its watch event has not arrived
+    r.activate()
+    assert r.active.wait(DEADLINE_S)
+    assert r.store.entry(KEY)[1] is not None  # before the Tasks are listed and queued
+    until(lambda: kube.task_lists == 1, "the Tasks listed")
+    entry, lease = r.store.entry(KEY)
+    assert entry is not None and lease is not None and r.queue.queued(KEY)
