@@ -168,7 +168,7 @@ class Reconciler:
             try:
                 for page in self.kube.list_pages(TASKS, namespace=ns, all_namespaces=ns is None, start=start):
                     for obj in page.get("items", []):
-                        key = self.store.task_event("ADDED", obj)  # the watch may be ahead: kept if newer
+                        key = self.store.listed_task(obj)  # the watch may be ahead: kept if newer
                         if key is not None:
                             backlog.add(key)
                             self.queue.add(key)

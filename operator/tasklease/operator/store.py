@@ -70,9 +70,28 @@ class Store:
 
     def task_event(self, kind: str, obj: JSON) -> Key | None:
         """A Task's watch event (ADDED, MODIFIED or DELETED); the key to reconcile, or None
-        when the object cannot be read."""
+        when there is nothing new: an object that cannot be read, or a version no newer than
+        the one held (above all our own status write, coming back through the watch: the
+        reconcile that wrote it has already looked)."""
+        taken = self._take_task(kind, obj)
+        return taken[0] if taken is not None and taken[1] else None
+
+    def listed_task(self, obj: JSON) -> Key | None:
+        """A Task from a seeding list: kept if newer than the one held; its key whenever it
+        can be read (every listed task is looked at once)."""
+        taken = self._take_task("ADDED", obj)
+        return taken[0] if taken is not None else None
+
+    def _take_task(self, kind: str, obj: JSON) -> tuple[Key, bool] | None:
+        """(key, whether it was news), or None when it cannot be read. An old version is
+        not decoded at all: at a high rate most Task events are our own writes."""
         try:
             key = _key(obj)
+            incoming = version(str(obj["metadata"].get("resourceVersion", "")))
+            with self._lock:
+                held = self._tasks.get(key)
+            if kind != "DELETED" and held is not None and _older(incoming, held.version):
+                return key, False
             entry = None if kind == "DELETED" else slim(obj)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             _skip("Task", obj, exc)
@@ -83,9 +102,9 @@ class Store:
                 self._tasks.pop(key, None)
                 if held is not None:
                     self._set_phase(key, held, None)
-                return key
+                return key, True
             if held is not None and _older(entry.version, held.version):
-                return key
+                return key, False
             if held is not None:
                 entry.projected = held.projected
             self._tasks[key] = entry
@@ -93,11 +112,11 @@ class Store:
             if where not in self._queues:
                 self._queues.add(where)
                 metrics.known_queue(*where)
-        return key
+        return key, True
 
     def lease_event(self, kind: str, obj: JSON) -> Key | None:
         """A Lease's watch event; the key of its task to reconcile, or None when even its
-        name cannot be read."""
+        name cannot be read or the version is no newer than the one held."""
         try:
             key = _key(obj)
         except (KeyError, TypeError) as exc:
@@ -111,7 +130,7 @@ class Store:
         with self._lock:
             held = self._leases.get(key)
             if kind != "DELETED" and held is not None and _older(incoming, version(held.resource_version)):
-                return key
+                return None  # nothing new (our own write coming back, a list behind the watch)
             if rec is None and kind != "DELETED":
                 log.warning("lease %s/%s cannot be read at all; ignoring it", *key)
                 metrics.MALFORMED.labels("Lease", "unreadable").inc()
