@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from conftest import make_task
 from tasklease.agent import Agent, Identity
 from tasklease.agent.producer import Producer
@@ -79,4 +80,32 @@ def test_a_wrong_rank_label_changes_no_rule_of_the_claim(kube: Kube) -> None:
     kube.create(TASKS, lying)
     agent = _agent(kube)
     assert agent.claim_once("lies").name == "honest"
+    agent.close()
+
+
+def test_every_claim_of_a_mixed_queue_takes_the_highest_priority_left(kube: Kube) -> None:
+    """Bands spread over many pages, in and out of the first one, some tasks without the label:
+    claim after claim, each takes a task of the highest priority left (tasks outside the first
+    page's band fill more than a page at first, and less than one at the end)."""
+    producer = Producer(kube)
+    priorities = {f"t-{i:02d}": (-5, 0, 3, 0, -5)[i % 5] for i in range(45)}
+    priorities["t-44"] = 9  # the only one of the top band, on the last page
+    for name, priority in priorities.items():
+        producer.submit(name, models.TaskSpec(queue="mixed", priority=priority))
+    for name, priority in (("h-high", 7), ("h-low", -7), ("h-zero", 0)):  # as kubectl apply would: no label
+        make_task(kube, name, queue="mixed", priority=priority)
+        priorities[name] = priority
+    agent = _agent(kube)
+    assert agent.settings.cli_page < len(priorities) // 2
+    claimed = []
+    for _ in priorities:
+        task = agent.claim_once("mixed")
+        claimed.append(task.name)
+        task.complete("ok")
+    assert claimed[:2] == ["t-44", "h-high"]
+    assert claimed[-1] == "h-low"
+    got = [priorities[name] for name in claimed]
+    assert got == sorted(priorities.values(), reverse=True), got
+    with pytest.raises(errors.NothingToClaim):  # none was claimed twice
+        agent.claim_once("mixed")
     agent.close()

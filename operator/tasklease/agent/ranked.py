@@ -13,6 +13,7 @@ with, for this path only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Final
 
@@ -53,29 +54,34 @@ def best_key(task: JSON) -> tuple[int, str, str]:
 def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) -> Iterator[JSON]:
     """The Tasks `field_selector` selects, highest priority first (strict across the queue),
     oldest first within what a page of a band shows; read lazily, band by band, a page at a
-    time. A caller that stops at the first task it can claim makes three LISTs: the first page,
-    and two that find whatever could go before the best band of that page (no label, or a
-    higher rank), usually nothing."""
-    def listed(labels: str) -> Iterator[JSON]:
-        for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
-                                     label_selector=labels, limit=page):
-            yield from found.get("items", [])
-
-    first = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page).get("items", [])
+    time. A caller that stops at the first task it can claim makes two LISTs: the first page,
+    and one page of every task outside that page's best band (no label, another rank), usually
+    short. Only when that is more than a page does it take two more, of the tasks that could
+    go first (no label, a higher rank). Those after the first page are served by the API
+    server's watch cache once it is at least as fresh as the first page (`_since`), so they
+    see every task the first page's snapshot holds: the order is strict over every task that
+    existed when the first LIST was answered."""
+    listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page)
+    first = listing.get("items", [])
     if not first:
         return
+    version = (listing.get("metadata") or {}).get("resourceVersion", "")
+    since = functools.partial(_since, kube, namespace=namespace, field_selector=field_selector, version=version)
     seen = max(_rank_of(task) for task in first)  # the bands up to this one are partly read
     pool = {task["metadata"]["name"]: task for task in first}
-    # Two LISTs find every task that could go before the first page's best band: those without
-    # the label, and those of a higher rank (a `notin` of every lower rank would be one LIST,
-    # but the API server matches a set value by value, object by object).
-    higher = [f"{LABEL_RANK}>{seen}"] if seen < _CAP - 1 else []  # none above the highest priority
-    for labels in (f"!{LABEL_RANK}", *higher):
-        pool.update((task["metadata"]["name"], task) for task in listed(labels))
+    # The API server scans the whole namespace for a selection that fills no page, so one
+    # scan finds what is outside the band (`!=` selects a task without the label too).
+    others = since(labels=f"{LABEL_RANK}!={seen}", limit=page)
+    pool.update((task["metadata"]["name"], task) for task in others.get("items", []))
+    whole = not (others.get("metadata") or {}).get("continue")  # every task outside the band is read
+    if not whole:  # many in other bands: only those that could go before this one
+        higher = [f"{LABEL_RANK}>{seen}"] if seen < _CAP - 1 else []  # none above the highest priority
+        for labels in (f"!{LABEL_RANK}", *higher):
+            pool.update((task["metadata"]["name"], task) for task in since(labels=labels).get("items", []))
     ceiling = _CAP  # the bands left are below this rank
     while True:
         band = max((r for r in map(_rank_of, pool.values()) if r < ceiling), default=None)
-        if ceiling <= seen:  # labelled tasks below the first page's best band were not read
+        if ceiling <= seen and not whole:  # labelled tasks below the first page's best band were not read
             labelled = _top(kube, namespace=namespace, field_selector=field_selector, page=page, below=ceiling)
             band = max((r for r in (band, labelled) if r is not None), default=None)
         if band is None:
@@ -84,12 +90,23 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) ->
         for task in sorted((t for t in pool.values() if _rank_of(t) == band), key=best_key):
             given.add(task["metadata"]["name"])
             yield task
-        if band <= seen:
+        if band == seen or (band < seen and not whole):  # the band was read in part
             for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
                                          label_selector=f"{LABEL_RANK}={band}", limit=page):
                 yield from sorted((t for t in found.get("items", []) if t["metadata"]["name"] not in given),
                                   key=best_key)
         ceiling = band
+
+
+def _since(kube: Kube, *, namespace: str, field_selector: str, labels: str, version: str, limit: int = 0) -> JSON:
+    """The selected Tasks (the first `limit` of them), from the watch cache once it has caught
+    up with `version`: a consistent LIST would first ask etcd for its newest revision."""
+    query: dict[str, str | int] = {"fieldSelector": field_selector, "labelSelector": labels}
+    if version:
+        query.update(resourceVersion=version, resourceVersionMatch="NotOlderThan")
+    if limit:
+        query["limit"] = limit
+    return kube.request("GET", TASKS.path(namespace), query=query)
 
 
 def _top(kube: Kube, *, namespace: str, field_selector: str, page: int, below: int | None) -> int | None:

@@ -16,7 +16,7 @@ from tasklease.api.timestamps import parse_time
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import Held
-from tasklease_dev.bench.floors import floors
+from tasklease_dev.bench.floors import floor_lease, get_put_floor
 from tasklease_dev.bench.harness import run_workers
 from tasklease_dev.bench.procs import metric, operator, ready, status_mb, stop, until
 from tasklease_dev.bench.space import create, create_tasks, phase_is
@@ -127,21 +127,26 @@ def cli_and_operator_at_depth(kube: Kube, *, kubeconfig: Path, depth: int, suffi
         until(lambda: ready(port), 3600, "the operator to work through its backlog", interval=1.0)
         backlog_s = time.monotonic() - started
         rss = status_mb(op.pid, "VmRSS")
-        latencies = []
+        latencies, floor = [], []
         agent = Agent(kube, identity=Identity(pod="cli", instance="bench"))
-        for _ in range(claims):
+        floor_lease(kube)
+        for i in range(claims):
             began = time.perf_counter()
             task = agent.claim_once("bench")
             latencies.append(time.perf_counter() - began)
             task.complete("ok")
             # As between two shell claims: the operator has projected the last one.
             until(functools.partial(phase_is, kube, task.name, "Succeeded"), 30, "the claimed task to be projected")
+            # Each claim paired with a floor in the same conditions: the operator running, the
+            # same tasks in the namespace, the same moment's load.
+            floor.append(get_put_floor(kube, i)[1])
     finally:
         stop(op)
     out: Results = {f"operator_rss_mb_{suffix}": rss, f"operator_backlog_s_{suffix}": backlog_s}
     if latencies:
         out[f"cli_claim_p50_s_{suffix}"] = statistics.median(latencies)
-        out[f"cli_claim_vs_floor_{suffix}"] = statistics.median(latencies) / floors(kube, rounds=50)["get_put_p50_s"]
+        out[f"cli_floor_get_put_p50_s_{suffix}"] = statistics.median(floor)
+        out[f"cli_claim_vs_floor_{suffix}"] = statistics.median(latencies) / statistics.median(floor)
     return out
 
 

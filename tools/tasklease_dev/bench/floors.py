@@ -31,14 +31,14 @@ Results = dict[str, Any]
 PEERS = Path(__file__).parent.parent / "peers"
 
 
-def _floor_lease(kube: Kube) -> JSON:
+def floor_lease(kube: Kube) -> JSON:
     """The bare Lease the PUT floors write: no labels, no owner, watched by nobody."""
     return kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                                 "metadata": {"name": "floor"}, "spec": {"holderIdentity": "bench"}})
 
 
 def floors(kube: Kube, *, rounds: int = 200) -> Results:
-    lease = _floor_lease(kube)
+    lease = floor_lease(kube)
     put: list[float] = []
     get_put: list[float] = []
     for i in range(rounds):  # interleaved, so that a busy moment weighs on both alike
@@ -46,12 +46,19 @@ def floors(kube: Kube, *, rounds: int = 200) -> Results:
         started = time.perf_counter()
         lease = kube.replace(LEASES, lease)
         put.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        lease = kube.get(LEASES, "floor")
-        lease["spec"]["leaseTransitions"] = 2 * i + 1
-        lease = kube.replace(LEASES, lease)
-        get_put.append(time.perf_counter() - started)
+        lease, took = get_put_floor(kube, 2 * i + 1)
+        get_put.append(took)
     return {"put_p50_s": statistics.median(put), "get_put_p50_s": statistics.median(get_put)}
+
+
+def get_put_floor(kube: Kube, transitions: int) -> tuple[JSON, float]:
+    """One GET + conditional PUT of the floor Lease (made by `floor_lease`): the Lease written
+    and the seconds taken."""
+    started = time.perf_counter()
+    lease = kube.get(LEASES, "floor")
+    lease["spec"]["leaseTransitions"] = transitions
+    lease = kube.replace(LEASES, lease)
+    return lease, time.perf_counter() - started
 
 
 def claims_beside_puts(kube: Kube, *, rounds: int = 200) -> Results:
@@ -59,7 +66,7 @@ def claims_beside_puts(kube: Kube, *, rounds: int = 200) -> Results:
     conditional PUT, before it or after it in turn: the agent's own watch traffic and the API
     server's work for its last write weigh on both alike, which an idle PUT does not share."""
     create_tasks(kube, rounds, queue="beside")
-    lease = _floor_lease(kube)
+    lease = floor_lease(kube)
     agent = Agent(kube, identity=Identity(pod="bench", instance="beside"))
     agent.watch("beside")
     claim = agent.protocol.claim
