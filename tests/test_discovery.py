@@ -342,7 +342,7 @@ def test_an_open_task_kept_compact_reads_back_the_same() -> None:
     for task in (base, rich):
         text = compact(task)
         assert expand(text, name="t-1", namespace="ns") == TaskView.of(task)
-    assert len(compact(base)) < 120  # the defaults the API server filled in are not kept
+    assert len(compact(base)) < 64  # the defaults the API server filled in are not kept
 
 
 def test_a_member_tells_only_of_claims_the_operator_did_not_project_once_it_stops_claiming(kube: Kube) -> None:

@@ -30,13 +30,15 @@ class Reflector:
     `keep_objects=False`: the store keeps only each object's (uid, resourceVersion), for a
     listener that keeps its own, smaller picture (a dict per object would cost more than the
     listener's whole record of it); a deletion found by a relist is then delivered with that
-    metadata only. `namespace=None` watches every namespace; the store is
+    metadata only. `identities=False` too: the store keeps names only (None for each), and a
+    deletion found by a relist carries the name alone. `namespace=None` watches every namespace; the store is
     then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist)."""
 
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
-                 keep_objects: bool = True, page_size: int = 500, since: str = "") -> None:
+                 keep_objects: bool = True, identities: bool = True, page_size: int = 500,
+                 since: str = "") -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -45,8 +47,9 @@ class Reflector:
         self.field_selector = field_selector
         self.watch_timeout_s = watch_timeout_s
         self.keep_objects = keep_objects
+        self.identities = identities
         self.page_size = page_size
-        self.store: dict[str, JSON | tuple[str, str]] = {}
+        self.store: dict[str, JSON | tuple[str, str] | None] = {}
         self.synced = threading.Event()
         self.error: Exception | None = None  # the last failure, until the next success
         self.lists = 0  # full LISTs made: one at start, one more per 410 Gone
@@ -159,13 +162,16 @@ class Reflector:
 
     def _keep(self, name: str, obj: JSON) -> None:
         meta = obj["metadata"]
-        self.store[name] = obj if self.keep_objects else (meta.get("uid", ""), meta.get("resourceVersion", ""))
+        self.store[name] = obj if self.keep_objects else (
+            (meta.get("uid", ""), meta.get("resourceVersion", "")) if self.identities else None)
 
-    def _stored(self, name: str, kept: JSON | tuple[str, str]) -> JSON:
-        """The object `_keep` kept under `name`, or its metadata when it kept the identity only."""
+    def _stored(self, name: str, kept: JSON | tuple[str, str] | None) -> JSON:
+        """The object `_keep` kept under `name`, or its metadata when it kept the identity or the name only."""
         if isinstance(kept, dict):
             return kept
         namespace, _, short = name.rpartition("/") if self.namespace is None else (self.namespace, "", name)
+        if kept is None:
+            return {"metadata": {"name": short, "namespace": namespace}}
         uid, resource_version = kept
         return {"metadata": {"name": short, "namespace": namespace, "uid": uid, "resourceVersion": resource_version}}
 
