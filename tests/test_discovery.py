@@ -543,3 +543,61 @@ def test_a_lease_freed_otherwise_leaves_its_last_holder_a_peer(kube: Kube) -> No
     view._on_lease("ADDED", record.encode(failed))
     candidates, division = view.choose(me, now_utc(), window=8)
     assert [t.name for t, _ in candidates] == [name] and division.ours == 0
+
+
+class _Clockless:
+    """What a QueueView fed by hand reads of its Kube."""
+
+    namespace = "ns"
+
+    def now(self) -> Any:
+        return now_utc()
+
+
+@pytest.mark.unit
+def test_before_the_list_ends_a_claim_is_offered_only_what_its_leases_allow_its_own_first() -> None:
+    """`unlisted`: tasks read from the API server (best first) are judged with the free
+    Leases the view knows and what it saw taken, and divided among the members as `choose` does."""
+    view = QueueView(_Clockless(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+
+    def task(name: str, attempt: int = 0) -> TaskView:
+        return TaskView.of({"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+                            "spec": {"queue": "q"}, "status": {"attempt": attempt}})
+    view._on_lease("ADDED", record.encode(LeaseRecord(name="retried", namespace="ns", queue="q",
+                                                      owner_uid="uid-retried", epoch=1, resource_version="5")))
+    view.mark_taken("lost", None)  # a race lost a moment ago
+    peers = ["me/x", "peer/x"]
+    view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x")},
+                              "spec": {"holderIdentity": "peer/x", "leaseDurationSeconds": 60}})
+    names = [f"t-{i}" for i in range(16)]
+    tasks = [task("held", attempt=1), task("lost"), task("retried", attempt=1), *map(task, names)]
+    candidates, division = view.unlisted(tasks, "me/x", now_utc())
+    offered = [t.name for t, _ in candidates]
+    ours = [n for n in ["retried", *names] if owner(peers, n)[1] == "me/x"]
+    assert division.ours == len(ours) and sorted(offered) == sorted(ours)
+    assert {"held", "lost"}.isdisjoint(offered)
+    retried = [rec for t, rec in candidates if t.name == "retried"]
+    assert not retried or (retried[0] is not None and retried[0].resource_version == "5")  # claimed on its free Lease
+
+
+@pytest.mark.unit
+def test_a_task_kept_compact_keeps_its_uid_in_sixteen_bytes() -> None:
+    uid = "0b0f3c52-7f3e-4a5e-9d7c-2a8f2c1d9e10"
+    task = {"metadata": {"name": "t", "namespace": "ns", "uid": uid, "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"queue": "q"}, "status": {"phase": "Pending"}}
+    assert expand(compact(task), name="t", namespace="ns") == TaskView.of(task)
+    assert len(compact(task)) < 2 + 16 + 20 + 40
+
+
+@pytest.mark.unit
+def test_the_index_keeps_one_live_entry_per_task_and_orders_a_recreated_task_by_its_new_age() -> None:
+    index = CandidateIndex()
+    index.add("a", 0, "2026-01-01T00:00:01Z")
+    index.add("b", 0, "2026-01-01T00:00:02Z")
+    assert not index.add("a", 0, "2026-01-01T00:00:01Z")  # the same: nothing new
+    index.add("a", 5, "2026-01-01T00:00:01Z")  # its priority moved: its old entry is stale
+    assert index.best(8) == ["a"] and index.priority("a") == 5
+    index.discard("a")
+    index.add("a", 0, "2026-01-01T00:00:03Z")  # deleted and created again under its name
+    assert index.best(8) == ["b", "a"] and len(index) == 2
