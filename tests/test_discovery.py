@@ -601,3 +601,25 @@ def test_the_index_keeps_one_live_entry_per_task_and_orders_a_recreated_task_by_
     index.discard("a")
     index.add("a", 0, "2026-01-01T00:00:03Z")  # deleted and created again under its name
     assert index.best(8) == ["b", "a"] and len(index) == 2
+
+
+@pytest.mark.unit
+def test_the_task_watch_keeps_no_store_of_its_own_and_a_relist_still_finds_what_vanished() -> None:
+    """The view keeps every open task's name: the watch asks it (`known`) instead of keeping them twice."""
+    class Pages:
+        namespace = "ns"
+        listed = [["a", "b"], ["a"]]
+
+        def list_pages(self, *args: Any, **kwargs: Any) -> Iterator[dict[str, Any]]:
+            names = self.listed.pop(0)
+            yield {"metadata": {"resourceVersion": "9"}, "items": [
+                {"metadata": {"name": n, "namespace": "ns", "uid": f"uid-{n}", "creationTimestamp":
+                              "2026-01-01T00:00:00Z", "resourceVersion": "9"}, "spec": {"queue": "q"}} for n in names]}
+
+        def now(self) -> Any:
+            return now_utc()
+    view = QueueView(Pages(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+    view.task_watch._relist()
+    assert view.claimable_count() == 2 and view.task_watch.store == {} and view.task_watch.has("b")
+    view.task_watch._relist()  # "b" was deleted while the watch was away
+    assert view.claimable_count() == 1 and not view.task_watch.has("b")

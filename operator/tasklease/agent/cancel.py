@@ -211,7 +211,7 @@ class Followers:
         """A cancel or deletion between the claim and the watch's first list sends no event."""
         with self._lock:
             followed = follower.watchers.get(name, ("",))[0] == uid
-        if followed and name not in follower.reflector.store:
+        if followed and not follower.reflector.has(name):
             follower.verify(name, uid)
 
 

@@ -404,16 +404,20 @@ class Agent:
         selector = f"{task_selector(view.queue)},status.phase!={models.Phase.RUNNING.value}"
         tasks: list[TaskView] = []
         band: int | None = None
-        for read, obj in enumerate(best_first(self.kube, namespace=self.namespace, field_selector=selector,
-                                              page=self.settings.cli_page)):
-            task = TaskView.of(obj)
-            if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
-                break
-            if view.unlisted([task], self.identity.holder, now)[0]:
-                band = task.spec.priority
-                tasks.append(task)
-                if len(tasks) == self.settings.best_of:
+        try:
+            for read, obj in enumerate(best_first(self.kube, namespace=self.namespace, field_selector=selector,
+                                                  page=self.settings.cli_page)):
+                task = TaskView.of(obj)
+                if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
                     break
+                if view.unlisted([task], self.identity.holder, now)[0]:
+                    band = task.spec.priority
+                    tasks.append(task)
+                    if len(tasks) == self.settings.best_of:
+                        break
+        except (errors.Unreachable, errors.ServerError) as exc:  # a loaded API server: the list goes on
+            log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
+            return [], self.settings.early_s, False
         candidates, division = view.unlisted(tasks, self.identity.holder, now)
         return candidates[:self.settings.kept_per_look], self.settings.early_s, bool(division.ours)
 
