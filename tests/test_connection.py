@@ -62,6 +62,12 @@ def test_a_client_certificate_given_inline_is_loaded(tmp_path: Path) -> None:
         connection.connect(kubeconfig=_kubeconfig(tmp_path, broken, cluster))
 
 
+def test_the_kubernetes_package_gets_the_same_kubeconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBECONFIG", _kubeconfig(tmp_path, {"token": "abc"}))
+    found = connection.connect()
+    assert found.kubernetes_configuration().host == "https://127.0.0.1:6443"  # for kopf: not in-cluster
+
+
 def test_a_missing_context_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(errors.Unreachable, match="no context named 'nowhere'"):
         connection.connect(kubeconfig=_kubeconfig(tmp_path, {"token": "abc"}), context="nowhere")

@@ -40,16 +40,17 @@ class Connection:
     pool: urllib3.PoolManager
     authorization: Callable[[], str | None]
     namespace: str  # the default namespace of the kubeconfig's context, or the pod's
-    kubeconfig: str | None = None  # where it came from: None for in-cluster
+    kubeconfig: str | None = None  # where it came from (None: $KUBECONFIG or ~/.kube/config)
     context: str | None = None
+    in_cluster: bool = False
     _configuration: Any = field(default=None, repr=False)
 
     def kubernetes_configuration(self) -> Any:
         """The same credentials as a `kubernetes.client.Configuration`, for code that needs
         the `kubernetes` package (kopf's login, client-go style helpers)."""
         if self._configuration is None:
-            self._configuration = _kubernetes_configuration(self.kubeconfig, self.context, in_cluster=(
-                self.kubeconfig is None))[0]
+            self._configuration = _kubernetes_configuration(self.kubeconfig, self.context,
+                                                            in_cluster=self.in_cluster)[0]
         return self._configuration
 
 
@@ -71,7 +72,7 @@ def _in_cluster(pool_size: int) -> Connection:
     token = _TokenFile(f"{SA_DIR}/token")
     namespace = Path(f"{SA_DIR}/namespace").read_text().strip()
     return Connection(host=f"https://{_bracketed(host)}:{port}", pool=_pool(context, pool_size),
-                      authorization=token.header, namespace=namespace)
+                      authorization=token.header, namespace=namespace, in_cluster=True)
 
 
 def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int) -> Connection:
