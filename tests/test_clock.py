@@ -282,7 +282,7 @@ def test_faketime_really_moves_a_python_process_clock(faketime: Path) -> None:
 
 def test_the_kube_client_reads_the_api_servers_time_from_its_answers(cluster: Cluster, namespace: str) -> None:
     admin = cluster.kube(namespace)
-    behind = Kube(admin.api_client, namespace,
+    behind = Kube(admin.connection, namespace,
                   server_clock=ServerClock(wall=lambda: now_utc() - timedelta(seconds=60)))
     assert abs((behind.now() - now_utc()).total_seconds() + 60) < 1  # no answer yet: its own clock
     behind.get_or_none(TASKS, "nothing-here")  # a 404 is dated too

@@ -342,7 +342,7 @@ def test_an_open_task_kept_compact_reads_back_the_same() -> None:
     for task in (base, rich):
         text = compact(task)
         assert expand(text, name="t-1", namespace="ns") == TaskView.of(task)
-    assert len(compact(base)) < 120  # the defaults the API server filled in are not kept
+    assert len(compact(base)) < 64  # the defaults the API server filled in are not kept
 
 
 def test_a_member_tells_only_of_claims_the_operator_did_not_project_once_it_stops_claiming(kube: Kube) -> None:
@@ -543,3 +543,83 @@ def test_a_lease_freed_otherwise_leaves_its_last_holder_a_peer(kube: Kube) -> No
     view._on_lease("ADDED", record.encode(failed))
     candidates, division = view.choose(me, now_utc(), window=8)
     assert [t.name for t, _ in candidates] == [name] and division.ours == 0
+
+
+class _Clockless:
+    """What a QueueView fed by hand reads of its Kube."""
+
+    namespace = "ns"
+
+    def now(self) -> Any:
+        return now_utc()
+
+
+@pytest.mark.unit
+def test_before_the_list_ends_a_claim_is_offered_only_what_its_leases_allow_its_own_first() -> None:
+    """`unlisted`: tasks read from the API server (best first) are judged with the free
+    Leases the view knows and what it saw taken, and divided among the members as `choose` does."""
+    view = QueueView(_Clockless(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+
+    def task(name: str, attempt: int = 0) -> TaskView:
+        return TaskView.of({"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                                         "creationTimestamp": "2026-01-01T00:00:00Z"},
+                            "spec": {"queue": "q"}, "status": {"attempt": attempt}})
+    view._on_lease("ADDED", record.encode(LeaseRecord(name="retried", namespace="ns", queue="q",
+                                                      owner_uid="uid-retried", epoch=1, resource_version="5")))
+    view.mark_taken("lost", None)  # a race lost a moment ago
+    peers = ["me/x", "peer/x"]
+    view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x")},
+                              "spec": {"holderIdentity": "peer/x", "leaseDurationSeconds": 60}})
+    names = [f"t-{i}" for i in range(16)]
+    tasks = [task("held", attempt=1), task("lost"), task("retried", attempt=1), *map(task, names)]
+    candidates, division = view.unlisted(tasks, "me/x", now_utc())
+    offered = [t.name for t, _ in candidates]
+    ours = [n for n in ["retried", *names] if owner(peers, n)[1] == "me/x"]
+    assert division.ours == len(ours) and sorted(offered) == sorted(ours)
+    assert {"held", "lost"}.isdisjoint(offered)
+    retried = [rec for t, rec in candidates if t.name == "retried"]
+    assert not retried or (retried[0] is not None and retried[0].resource_version == "5")  # claimed on its free Lease
+
+
+@pytest.mark.unit
+def test_a_task_kept_compact_keeps_its_uid_in_sixteen_bytes() -> None:
+    uid = "0b0f3c52-7f3e-4a5e-9d7c-2a8f2c1d9e10"
+    task = {"metadata": {"name": "t", "namespace": "ns", "uid": uid, "creationTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"queue": "q"}, "status": {"phase": "Pending"}}
+    assert expand(compact(task), name="t", namespace="ns") == TaskView.of(task)
+    assert len(compact(task)) < 2 + 16 + 20 + 40
+
+
+@pytest.mark.unit
+def test_the_index_keeps_one_live_entry_per_task_and_orders_a_recreated_task_by_its_new_age() -> None:
+    index = CandidateIndex()
+    index.add("a", 0, "2026-01-01T00:00:01Z")
+    index.add("b", 0, "2026-01-01T00:00:02Z")
+    assert not index.add("a", 0, "2026-01-01T00:00:01Z")  # the same: nothing new
+    index.add("a", 5, "2026-01-01T00:00:01Z")  # its priority moved: its old entry is stale
+    assert index.best(8) == ["a"] and index.priority("a") == 5
+    index.discard("a")
+    index.add("a", 0, "2026-01-01T00:00:03Z")  # deleted and created again under its name
+    assert index.best(8) == ["b", "a"] and len(index) == 2
+
+
+@pytest.mark.unit
+def test_the_task_watch_keeps_no_store_of_its_own_and_a_relist_still_finds_what_vanished() -> None:
+    """The view keeps every open task's name: the watch asks it (`known`) instead of keeping them twice."""
+    class Pages:
+        namespace = "ns"
+        listed = [["a", "b"], ["a"]]
+
+        def list_pages(self, *args: Any, **kwargs: Any) -> Iterator[dict[str, Any]]:
+            names = self.listed.pop(0)
+            yield {"metadata": {"resourceVersion": "9"}, "items": [
+                {"metadata": {"name": n, "namespace": "ns", "uid": f"uid-{n}", "creationTimestamp":
+                              "2026-01-01T00:00:00Z", "resourceVersion": "9"}, "spec": {"queue": "q"}} for n in names]}
+
+        def now(self) -> Any:
+            return now_utc()
+    view = QueueView(Pages(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+    view.task_watch._relist()
+    assert view.claimable_count() == 2 and view.task_watch.store == {} and view.task_watch.has("b")
+    view.task_watch._relist()  # "b" was deleted while the watch was away
+    assert view.claimable_count() == 1 and not view.task_watch.has("b")

@@ -53,11 +53,12 @@ class _QueueFollower:
         meta: dict[str, Any] = obj["metadata"]
         if kind == "DELETED":
             with self._lock:
-                followed = meta["name"] in self.watchers
+                uid = self.watchers.get(meta["name"], ("",))[0]
             # Every task of the queue leaves the watch when it finishes: only one we hold is
-            # worth a request. One registering later is checked by `_verify_if_absent`.
-            if followed:
-                self.verify(meta["name"], meta["uid"])
+            # worth a request (the one we follow: a relist's deletion carries its name only).
+            # One registering later is checked by `_verify_if_absent`.
+            if uid:
+                self.verify(meta["name"], uid)
         elif (obj.get("spec") or {}).get("cancel"):
             self._end(meta["name"], meta["uid"], f"task {meta['namespace']}/{meta['name']} was cancelled")
         else:
@@ -210,7 +211,7 @@ class Followers:
         """A cancel or deletion between the claim and the watch's first list sends no event."""
         with self._lock:
             followed = follower.watchers.get(name, ("",))[0] == uid
-        if followed and name not in follower.reflector.store:
+        if followed and not follower.reflector.has(name):
             follower.verify(name, uid)
 
 

@@ -17,6 +17,7 @@ claimable, a peer comes or goes, or the earliest backoff runs out.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import threading
 import time
@@ -87,9 +88,9 @@ class QueueView:
         self._clock = clock
         self._now = kube.now  # the API server's time: what a Task's and a Lease's times mean
         self._namespace = namespace
-        # Every open task as compact JSON (what `TaskView.of` reads, nothing else): a few hundred
-        # bytes where a TaskView takes about two kilobytes. Views are decoded again on demand and
-        # the recent ones kept: the window's candidates are looked at again and again.
+        # Every open task compact (`compact`: what `TaskView.of` reads, nothing else): under a
+        # hundred bytes where a TaskView takes about two kilobytes. Views are decoded again on
+        # demand and the recent ones kept: the window's candidates are looked at again and again.
         self._tasks: dict[str, bytes] = {}
         self._decoded: OrderedDict[str, TaskView] = OrderedDict()
         self._leases: dict[str, LeaseRecord] = {}  # the free ones, without their history: see _on_lease
@@ -97,6 +98,8 @@ class QueueView:
         # Tasks taken (by us, by a peer, or a race we lost) → the resourceVersion of the free Lease
         # we knew then ("" for none): not claimable until their Lease is seen free in another version.
         self._taken: dict[str, str] = {}
+        self._pruned = False  # `_taken` kept only what the first list holds
+        self._tasks_started = False
         self._index = CandidateIndex()
         self._fresh: OrderedDict[str, float] = OrderedDict()  # see _RIPE_S: name → since when
         self._backoffs: list[tuple[datetime, str]] = []  # (not-before, name), stale entries allowed
@@ -118,31 +121,77 @@ class QueueView:
         self.join_listeners: list[Callable[[str], None]] = []  # told of each member that joins
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
-                      listener=self._on_task, keep_objects=False),
+                      listener=self._on_task, keep_objects=False, known=self._tasks.keys),
             Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
                       listener=self._on_lease, keep_objects=False),
             Reflector(kube, LEASES, namespace=namespace, label_selector=members.selector(queue),
                       listener=self._on_member, keep_objects=False),
         ]
 
-    def start(self, timeout_s: float = 30.0) -> None:
-        """Wait until the three watches have their first list. `timeout_s` bounds a silence, not a
-        long list: every page that arrives (a large queue) gives it `timeout_s` more."""
-        deadline = time.monotonic() + timeout_s
-        for r in self._reflectors:  # Tasks first: a Lease, and a peer's took, are judged with their Task
+    def start(self, timeout_s: float = 30.0, *, tasks: bool = True) -> None:
+        """Wait until the watches of the queue's members and free Leases have their first list
+        and, with `tasks`, the watch of its Tasks its first page: the rest of a deep queue is
+        listed in the background (`listed`; until then a claim reads the best band itself,
+        `unlisted`). Without `tasks`, `start_tasks` starts that watch later. `timeout_s` bounds
+        a silence, not a long list: every page that arrives gives it `timeout_s` more."""
+        for r in self._reflectors[1:]:
             r.start()
-            pages = 0
-            while not r.synced.wait(0.1):
-                if r.pages != pages:
-                    pages, deadline = r.pages, time.monotonic() + timeout_s
-                # Refusals are final (RBAC, a missing CRD); a flaky network gets until the deadline.
-                final = r.error is not None and not isinstance(r.error, (errors.Unreachable, errors.ServerError))
-                if final or time.monotonic() > deadline:
-                    self.stop()
-                    if isinstance(r.error, errors.TaskleaseError):
-                        raise r.error
-                    raise errors.Unreachable(f"the watch of queue {self.queue!r} did not start: "
-                                             f"{r.error or f'no answer in {timeout_s:.0f}s'}")
+            self._await(r, first_page=False, timeout_s=timeout_s)
+        if tasks:
+            self.start_tasks()
+            self._await(self.task_watch, first_page=True, timeout_s=timeout_s)
+
+    def start_tasks(self) -> None:
+        """Start listing the queue's open Tasks, if not started yet (see `start`). A Lease, and a
+        peer's took, are judged again when their Task arrives."""
+        with self._changed:
+            if not self._tasks_started:
+                self._tasks_started = True
+                self.task_watch.start()
+
+    def _await(self, r: Reflector, *, first_page: bool, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pages = 0
+        while not (r.synced.is_set() or (first_page and r.pages > 0)):
+            r.synced.wait(0.1)
+            if r.pages != pages:
+                pages, deadline = r.pages, time.monotonic() + timeout_s
+            # Refusals are final (RBAC, a missing CRD); a flaky network gets until the deadline.
+            final = r.error is not None and not isinstance(r.error, (errors.Unreachable, errors.ServerError))
+            if final or time.monotonic() > deadline:
+                self.stop()
+                if isinstance(r.error, errors.TaskleaseError):
+                    raise r.error
+                raise errors.Unreachable(f"the watch of queue {self.queue!r} did not start: "
+                                         f"{r.error or f'no answer in {timeout_s:.0f}s'}")
+
+    @property
+    def listed(self) -> bool:
+        """The first list of the queue's open Tasks has ended: the index holds every candidate."""
+        return self.task_watch.synced.is_set()
+
+    def wait_listed(self, timeout_s: float) -> bool:
+        return self.task_watch.synced.wait(timeout_s)
+
+    def unlisted(self, tasks: list[TaskView], holder: str, now: datetime) -> tuple[list[Candidate], Division]:
+        """Before `listed`: which of `tasks` (read from the API server by the caller, best
+        first) may be claimed at `now`, by the Leases this view knows (every free one), divided
+        among the members as `choose` divides. A task claimed since it was read costs a 409."""
+        with self._changed:
+            peers = frozenset((*(m.holder for m in self._live_members(now)), holder))
+            found: dict[str, Candidate] = {}
+            for task in tasks:
+                rec = self._leases.get(task.name)
+                tried = self._taken.get(task.name)
+                if tried is not None and tried == (rec.resource_version if rec else ""):
+                    continue  # taken since, as far as we know
+                if rec is None and task.status_attempt:
+                    continue  # claimed before and its Lease is not free: held or closed
+                if blocker(task, rec, now) is None:
+                    found[task.name] = (task, self._with_history(task.name))
+            busy = {m.holder for m in self._members.values() if m.holding}
+            division = divide(holder, list(found), functools.partial(owner, peers), busy)
+            return [found[n] for n in division.names], division
 
     def stop(self) -> None:
         for r in self._reflectors:
@@ -169,6 +218,10 @@ class QueueView:
         queue); and when none of those is ours while the band goes on, deeper (up to
         `_DEEPEST`): an agent whose peers own the oldest tasks must not idle beside a deep queue."""
         with self._changed:
+            if not self._pruned and self.listed:
+                # Claims made before the list ended, of tasks it did not hold (done by then).
+                self._taken = {n: rv for n, rv in self._taken.items() if n in self._tasks}
+                self._pruned = True
             self._release_due(now)
             live = self._live_members(now)
             peers = frozenset((*(m.holder for m in live), holder))

@@ -147,7 +147,9 @@ class Agent:
         task's `with` block (`claimed._MainThreadInterrupt` says how, and its limits)."""
         settings = self.settings
         self._check_open()
-        view = self.watch(queue)
+        # The queue's Tasks are listed after the first look (`_early`): at a deep queue, agents
+        # started together would otherwise all list at once before any claims.
+        view = self._view(queue, tasks=False)
         member = self._join(view)
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
@@ -156,7 +158,10 @@ class Agent:
             if stop is not None and stop.is_set():
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
-            candidates, recheck, ours = self._kept(view, since) or self._pick(view, member, stop)
+            listed = view.listed
+            candidates, recheck, ours = (self._kept(view, since) or self._pick(view, member, stop)) if listed \
+                else self._early(view)
+            view.start_tasks()
             admission = self._gates.admit(queue, wanted=bool(candidates))
             if admission.wait_s:  # paused, at its claim rate, or no slot free under maxRunning
                 candidates, recheck = [], admission.wait_s
@@ -170,7 +175,7 @@ class Agent:
             wait = recheck
             if lost:
                 rounds_lost += 1
-                if rounds_lost < settings.lost_rounds and view.claimable_count():
+                if rounds_lost < settings.lost_rounds and (view.claimable_count() or not listed):
                     continue  # the lost ones left the index: the next look offers others
                 # Round after round lost: our picture is behind. Let the watch catch up (the
                 # winners' writes are on their way) instead of spinning on stale candidates.
@@ -184,7 +189,10 @@ class Agent:
                 wait = min(wait, max((next_ready - self.kube.now()).total_seconds(), 0.05))
             if stop is not None:
                 wait = min(wait, settings.stop_check_s)  # a local wake-up to notice `stop`, no request
-            view.wait_for_change(since, wait)
+            if listed:
+                view.wait_for_change(since, wait)
+            else:  # every page of the list moves the generation
+                view.wait_listed(min(wait, settings.early_s))
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
         """One look, no watch, for the stateless CLI: the queue's open Tasks are read best first,
@@ -294,12 +302,18 @@ class Agent:
 
     def watch(self, queue: str) -> QueueView:
         """Start watching `queue` now (claim does it on first use); idempotent."""
+        view = self._view(queue, tasks=True)
+        view.start_tasks()
+        return view
+
+    def _view(self, queue: str, *, tasks: bool) -> QueueView:
+        """`queue`'s view, started (its Tasks' watch too, with `tasks`) if it is new."""
         with self._views_lock:
             view = self._views.get(queue)
             if view is None:
                 self._check_open()
                 view = QueueView(self.kube, namespace=self.namespace, queue=queue)
-                view.start()
+                view.start(tasks=tasks)
                 self._views[queue] = view
                 # Our claims in this queue hear of a cancel from this watch, not one more each.
                 self._unshare.append(self._followers.share(namespace=self.namespace, queue=queue,
@@ -378,6 +392,34 @@ class Agent:
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
         # next look offers our others), or a thief's pick.
         return candidates, self.settings.recheck_s, bool(division.ours)
+
+    def _early(self, view: QueueView) -> tuple[list[Candidate], float, bool]:
+        """What to try while the queue's Tasks are still being listed (a deep queue takes a
+        while): the best band's first tasks as the API server has them now, read without
+        reading the queue (`ranked.best_first`, strict priority), ours first. Read until
+        `best_of` of one band may be claimed, or `early_reads` tasks: a band read that far
+        without one may have more below, which only the index will tell."""
+        now = self.kube.now()
+        # Not projected Running: held (a task freed a moment ago is found by a later look).
+        selector = f"{task_selector(view.queue)},status.phase!={models.Phase.RUNNING.value}"
+        tasks: list[TaskView] = []
+        band: int | None = None
+        try:
+            for read, obj in enumerate(best_first(self.kube, namespace=self.namespace, field_selector=selector,
+                                                  page=self.settings.cli_page)):
+                task = TaskView.of(obj)
+                if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
+                    break
+                if view.unlisted([task], self.identity.holder, now)[0]:
+                    band = task.spec.priority
+                    tasks.append(task)
+                    if len(tasks) == self.settings.best_of:
+                        break
+        except (errors.Unreachable, errors.ServerError) as exc:  # a loaded API server: the list goes on
+            log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
+            return [], self.settings.early_s, False
+        candidates, division = view.unlisted(tasks, self.identity.holder, now)
+        return candidates[:self.settings.kept_per_look], self.settings.early_s, bool(division.ours)
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
         return view.choose(self.identity.holder, self.kube.now(), window=self.settings.best_of,

@@ -29,3 +29,7 @@ class AgentSettings:
     join_s: float = 2.0  # the longest a first claim waits to see its own member Lease
     recheck_s: float = 60.0  # after a look whose candidates were all lost: the watch tells sooner if anything changes
     cli_page: int = 20  # Tasks per page read by the one-shot claim (`tasklease claim`)
+    # Before the first list of a queue's Tasks ends: the most of its best tasks a claim reads
+    # (`ranked`, pages of `cli_page`), and how long it waits when none of them may be claimed.
+    early_reads: int = 128
+    early_s: float = 1.0

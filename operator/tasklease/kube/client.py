@@ -1,25 +1,24 @@
 """A thin, typed door to the Kubernetes API: raw JSON in and out, HTTP statuses as exceptions.
 
 Everything above this module speaks dicts and the exceptions in `tasklease.api.errors`;
-only this module knows about the `kubernetes` client. Writes are never retried here:
-a 409 is an answer the protocol must see.
+this module and `connection` speak HTTP. Writes are never retried here: a 409 is an answer
+the protocol must see.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import urllib3
-from kubernetes import client, config
 
 from tasklease.api import errors, resource
 from tasklease.kube import decode
+from tasklease.kube.connection import Connection, connect
 from tasklease.kube.servertime import ServerClock
 
 JSON = dict[str, Any]
@@ -27,7 +26,6 @@ JSON = dict[str, Any]
 _STRICT = {"fieldValidation": "Strict"}
 # Bookmarks arrive about once a minute: a stream silent for longer than this is dead.
 _WATCH_READ_TIMEOUT_S = 90
-_SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _PAGE = 500  # objects per LIST page
 # How the API server words a refusal by a ValidatingAdmissionPolicy or an admission webhook.
 _ADMISSION_DENIED = "denied request"
@@ -66,9 +64,9 @@ CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", names
 class Kube:
     """One API client and a default namespace. Thread-safe: urllib3 pools connections."""
 
-    def __init__(self, api_client: client.ApiClient, namespace: str, *,
+    def __init__(self, connection: Connection, namespace: str, *,
                  server_clock: ServerClock | None = None) -> None:
-        self.api_client = api_client
+        self.connection = connection
         self.namespace = namespace
         # Every answer's Date header feeds it: decisions against times written on objects use
         # the API server's clock, not this machine's.
@@ -82,23 +80,8 @@ class Kube:
     def connect(cls, *, kubeconfig: str | None = None, context: str | None = None,
                 namespace: str | None = None, pool_size: int = 16) -> Kube:
         """Configure from a kubeconfig (flag, $KUBECONFIG, ~/.kube/config) or, in a pod, in-cluster."""
-        configuration = client.Configuration()
-        default_ns = "default"
-        try:
-            if kubeconfig or os.environ.get("KUBECONFIG") or not os.path.exists(_SA_NAMESPACE):
-                config.load_kube_config(config_file=kubeconfig, context=context,  # type: ignore[no-untyped-call]
-                                        client_configuration=configuration)
-                _, active = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-                default_ns = (active or {}).get("context", {}).get("namespace") or "default"
-            else:
-                config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-                with open(_SA_NAMESPACE) as f:
-                    default_ns = f.read().strip()
-        except (config.ConfigException, OSError) as exc:
-            raise errors.Unreachable(f"no usable cluster configuration: {exc}") from None
-        configuration.connection_pool_maxsize = pool_size
-        configuration.retries = 0
-        return cls(client.ApiClient(configuration), namespace or default_ns)
+        found = connect(kubeconfig=kubeconfig, context=context, pool_size=pool_size)
+        return cls(found, namespace or found.namespace)
 
     # -- requests ---------------------------------------------------------------
 
@@ -115,14 +98,15 @@ class Kube:
     def _send(self, method: str, path: str, *, query: dict[str, Any], body: Any, content_type: str,
               timeout: float | tuple[float, float]) -> urllib3.BaseHTTPResponse:
         """One HTTP request with the client's authentication; a status >= 400 becomes an exception."""
-        _, url, headers, _, _ = self.api_client.param_serialize(
-            method=method, resource_path=path, query_params=list(query.items()),
-            header_params={"Accept": "application/json", "Content-Type": content_type},
-            auth_settings=["BearerToken"])
+        url = self.connection.host + path + (f"?{urlencode(query)}" if query else "")
+        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": "tasklease"}
         payload = json.dumps(body).encode() if body is not None else None
         sent = self.server_clock.wall()
         try:
-            resp = self.api_client.rest_client.pool_manager.request(
+            authorization = self.connection.authorization()
+            if authorization:
+                headers["Authorization"] = authorization
+            resp = self.connection.pool.request(
                 method, url, body=payload, headers=headers, preload_content=False,
                 # A float is a bound on the whole request, connecting included.
                 timeout=urllib3.Timeout(connect=10, read=timeout[1]) if isinstance(timeout, tuple)

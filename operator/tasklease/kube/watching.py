@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from tasklease.api import errors
 from tasklease.api.retry import Backoff, transient
@@ -30,13 +30,16 @@ class Reflector:
     `keep_objects=False`: the store keeps only each object's (uid, resourceVersion), for a
     listener that keeps its own, smaller picture (a dict per object would cost more than the
     listener's whole record of it); a deletion found by a relist is then delivered with that
-    metadata only. `namespace=None` watches every namespace; the store is
+    metadata only. `known`: the names the listener keeps itself, for one that keeps every
+    object's name: the store then stays empty, and a deletion found by a relist carries the
+    name alone. `namespace=None` watches every namespace; the store is
     then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist)."""
 
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
-                 keep_objects: bool = True, page_size: int = 500, since: str = "") -> None:
+                 keep_objects: bool = True, known: Callable[[], Collection[str]] | None = None,
+                 page_size: int = 500, since: str = "") -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -45,6 +48,7 @@ class Reflector:
         self.field_selector = field_selector
         self.watch_timeout_s = watch_timeout_s
         self.keep_objects = keep_objects
+        self.known = known
         self.page_size = page_size
         self.store: dict[str, JSON | tuple[str, str]] = {}
         self.synced = threading.Event()
@@ -94,8 +98,15 @@ class Reflector:
                 log.error("watch of %s failed: %s; resuming in %.1fs", self.resource.plural, exc, delay)
                 self._stop.wait(delay)
 
+    def has(self, name: str) -> bool:
+        """Whether the object `name` is in the picture (in `known`, when the listener keeps it)."""
+        return name in (self.known() if self.known is not None else self.store)
+
     def _relist(self) -> None:
-        seen: set[str] = set()
+        # What was there before and is not listed again was deleted meanwhile; on a first list
+        # nothing was (and a deep queue's names are not gathered twice).
+        before = self.known() if self.known is not None else self.store
+        seen: set[str] | None = set() if before else None
         since, start = "", ""
         while True:
             try:
@@ -105,7 +116,8 @@ class Reflector:
                                                  field_selector=self.field_selector, start=start):
                     for obj in page.get("items", []):
                         name = self._name(obj)
-                        seen.add(name)
+                        if seen is not None:
+                            seen.add(name)
                         self._keep(name, obj)
                         self._deliver("ADDED", obj)
                     since = since or page["metadata"]["resourceVersion"]
@@ -120,13 +132,17 @@ class Reflector:
                 # the watch starts from the first page's version, so it brings every change since
                 # to what was listed before as after (older news for an object listed later is
                 # followed by the news it was listed with).
-                log.info("the list of %s outlived its snapshot after %d objects; listing the rest as they are now",
-                         self.resource.plural, len(seen))
+                log.info("the list of %s outlived its snapshot after %d pages; listing the rest as they are now",
+                         self.resource.plural, self.pages)
                 self.resumed += 1
                 start = exc.resume
         self.lists += 1
-        for name in set(self.store) - seen:
-            self._deliver("DELETED", self._stored(name, self.store.pop(name)))
+        if seen is not None and self.known is not None:
+            for name in [n for n in self.known() if n not in seen]:
+                self._deliver("DELETED", self._stored(name, None))
+        elif seen is not None:
+            for name in set(self.store) - seen:
+                self._deliver("DELETED", self._stored(name, self.store.pop(name)))
         self._rv = since
         self.error = None
         self.synced.set()
@@ -159,13 +175,16 @@ class Reflector:
 
     def _keep(self, name: str, obj: JSON) -> None:
         meta = obj["metadata"]
-        self.store[name] = obj if self.keep_objects else (meta.get("uid", ""), meta.get("resourceVersion", ""))
+        if self.known is None:
+            self.store[name] = obj if self.keep_objects else (meta.get("uid", ""), meta.get("resourceVersion", ""))
 
-    def _stored(self, name: str, kept: JSON | tuple[str, str]) -> JSON:
-        """The object `_keep` kept under `name`, or its metadata when it kept the identity only."""
+    def _stored(self, name: str, kept: JSON | tuple[str, str] | None) -> JSON:
+        """The object `_keep` kept under `name`, or its metadata when it kept the identity (or nothing: its name)."""
         if isinstance(kept, dict):
             return kept
         namespace, _, short = name.rpartition("/") if self.namespace is None else (self.namespace, "", name)
+        if kept is None:
+            return {"metadata": {"name": short, "namespace": namespace}}
         uid, resource_version = kept
         return {"metadata": {"name": short, "namespace": namespace, "uid": uid, "resourceVersion": resource_version}}
 

@@ -214,7 +214,7 @@ def _registry(reconciler: Reconciler, podbound: PodBound, kube: Kube, health: He
 
 def _connection_info(kube: Kube) -> kopf.ConnectionInfo:
     """Hand kopf the exact credentials our own client uses (flag, kubeconfig or in-cluster)."""
-    cfg = kube.api_client.configuration
+    cfg = kube.connection.kubernetes_configuration()
     if cfg.refresh_api_key_hook is not None:
         cfg.refresh_api_key_hook(cfg)
     token = (cfg.api_key or {}).get("authorization", "") or (cfg.api_key or {}).get("BearerToken", "")

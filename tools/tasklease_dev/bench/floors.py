@@ -104,7 +104,7 @@ def python_le(kube: Kube, *, rounds: int = 20) -> float:
     from kubernetes.leaderelection import electionconfig, leaderelection
     from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
-    k8s_client.Configuration.set_default(kube.api_client.configuration)
+    k8s_client.Configuration.set_default(kube.connection.kubernetes_configuration())
     latencies = []
     for i in range(rounds):
         lock = LeaseLock(f"python-le-{i}", kube.namespace, "bench")  # type: ignore[no-untyped-call]

@@ -1,0 +1,189 @@
+"""Where the API server is and how to prove who we are: a kubeconfig or a pod's service account.
+
+The common cases are read here: a pod's service account (its token re-read as the kubelet
+rotates it), and a kubeconfig whose user has a client certificate or a token. Anything else
+a kubeconfig can say (an exec plugin, an auth provider, a proxy, several files in
+$KUBECONFIG) is read by the `kubernetes` package, imported only then: importing it costs
+every process a large part of its start-up time and memory, and an agent pod has many.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import urllib3
+import yaml
+
+from tasklease.api import errors
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+_TOKEN_REREAD_S = 60.0  # a rotated service account token is valid for a while after rotation
+# What only the `kubernetes` package reads: a user or cluster that says any of these.
+_ELSEWHERE = ("exec", "auth-provider", "username", "proxy-url", "tls-server-name")
+
+
+@dataclass
+class Connection:
+    """One API server: its address, a connection pool that trusts it (and shows our client
+    certificate, if any), and the Authorization header of each request (None: none)."""
+
+    host: str
+    pool: urllib3.PoolManager
+    authorization: Callable[[], str | None]
+    namespace: str  # the default namespace of the kubeconfig's context, or the pod's
+    kubeconfig: str | None = None  # where it came from (None: $KUBECONFIG or ~/.kube/config)
+    context: str | None = None
+    in_cluster: bool = False
+    _configuration: Any = field(default=None, repr=False)
+
+    def kubernetes_configuration(self) -> Any:
+        """The same credentials as a `kubernetes.client.Configuration`, for code that needs
+        the `kubernetes` package (kopf's login, client-go style helpers)."""
+        if self._configuration is None:
+            self._configuration = _kubernetes_configuration(self.kubeconfig, self.context,
+                                                            in_cluster=self.in_cluster)[0]
+        return self._configuration
+
+
+def connect(*, kubeconfig: str | None = None, context: str | None = None, pool_size: int = 16) -> Connection:
+    """From `kubeconfig` (else $KUBECONFIG, else ~/.kube/config) or, in a pod without either, in-cluster."""
+    try:
+        if kubeconfig or os.environ.get("KUBECONFIG") or not os.path.exists(f"{SA_DIR}/namespace"):
+            return _from_kubeconfig(kubeconfig, context, pool_size)
+        return _in_cluster(pool_size)
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError, ssl.SSLError) as exc:
+        raise errors.Unreachable(f"no usable cluster configuration: {exc}") from None
+
+
+def _in_cluster(pool_size: int) -> Connection:
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        raise ValueError("in a pod, but KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are not set")
+    context = ssl.create_default_context(cafile=f"{SA_DIR}/ca.crt")
+    token = _TokenFile(f"{SA_DIR}/token")
+    namespace = Path(f"{SA_DIR}/namespace").read_text().strip()
+    return Connection(host=f"https://{_bracketed(host)}:{port}", pool=_pool(context, pool_size),
+                      authorization=token.header, namespace=namespace, in_cluster=True)
+
+
+def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int) -> Connection:
+    paths = [p for p in (path or os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep) if p]
+    if len(paths) != 1:  # merged files: the `kubernetes` package's rules
+        return _elsewhere(path, context_name, pool_size)
+    file = Path(paths[0]).expanduser()
+    doc = yaml.safe_load(file.read_text()) or {}
+    name = context_name or doc.get("current-context")
+    if not name:
+        raise ValueError(f"{file}: no context given and no current-context")
+    ctx = _named(doc, "contexts", name, "context")
+    cluster = _named(doc, "clusters", ctx["cluster"], "cluster")
+    user = _named(doc, "users", ctx["user"], "user") if ctx.get("user") else {}
+    if any(key in user or key in cluster for key in _ELSEWHERE):
+        return _elsewhere(path, context_name, pool_size)
+    base = file.parent
+    tls = ssl.create_default_context()
+    if cluster.get("insecure-skip-tls-verify"):
+        tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+    elif "certificate-authority-data" in cluster:
+        tls.load_verify_locations(cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
+    elif "certificate-authority" in cluster:
+        tls.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
+    if "client-certificate-data" in user or "client-certificate" in user:
+        _load_client_certificate(tls, user, base)
+    authorization: Callable[[], str | None] = lambda: None  # noqa: E731 - one of three
+    if user.get("token"):
+        header = f"Bearer {user['token']}"
+        authorization = lambda: header  # noqa: E731
+    elif user.get("tokenFile"):
+        authorization = _TokenFile(str(base / user["tokenFile"])).header
+    return Connection(host=str(cluster["server"]).rstrip("/"), pool=_pool(tls, pool_size),
+                      authorization=authorization, namespace=ctx.get("namespace") or "default",
+                      kubeconfig=path, context=context_name)
+
+
+def _named(doc: dict[str, Any], section: str, name: str, key: str) -> dict[str, Any]:
+    for entry in doc.get(section) or []:
+        if entry.get("name") == name:
+            found: dict[str, Any] = entry.get(key) or {}
+            return found
+    raise ValueError(f"the kubeconfig has no {key} named {name!r}")
+
+
+def _load_client_certificate(tls: ssl.SSLContext, user: dict[str, Any], base: Path) -> None:
+    """`load_cert_chain` reads files only: inline data goes through a private folder, removed at once."""
+    with tempfile.TemporaryDirectory(prefix="tasklease-") as folder:
+        def path(kind: str) -> str:
+            if f"{kind}-data" in user:
+                target = Path(folder) / kind
+                target.write_bytes(base64.b64decode(user[f"{kind}-data"]))
+                return str(target)
+            return str(base / user[kind])
+        tls.load_cert_chain(path("client-certificate"), path("client-key"))
+
+
+def _pool(tls: ssl.SSLContext, pool_size: int) -> urllib3.PoolManager:
+    verify = tls.verify_mode != ssl.CERT_NONE
+    return urllib3.PoolManager(maxsize=pool_size, ssl_context=tls, cert_reqs="CERT_REQUIRED" if verify else "CERT_NONE",
+                               assert_hostname=None if verify else False)
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class _TokenFile:
+    """A bearer token read from a file, read again every `_TOKEN_REREAD_S` (the kubelet rotates it)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._read_at = -_TOKEN_REREAD_S
+        self._value = ""
+
+    def header(self) -> str | None:
+        with self._lock:
+            if time.monotonic() - self._read_at >= _TOKEN_REREAD_S:
+                self._value = Path(self._path).read_text().strip()
+                self._read_at = time.monotonic()
+            return f"Bearer {self._value}" if self._value else None
+
+
+def _elsewhere(kubeconfig: str | None, context: str | None, pool_size: int) -> Connection:
+    """What the `kubernetes` package reads (exec plugins, auth providers, merged files)."""
+    configuration, namespace = _kubernetes_configuration(kubeconfig, context, in_cluster=False)
+    configuration.connection_pool_maxsize = pool_size
+    configuration.retries = 0
+    from kubernetes import client  # noqa: PLC0415 - only for the kubeconfigs that need it
+
+    api = client.ApiClient(configuration)
+    return Connection(host=configuration.host, pool=api.rest_client.pool_manager,
+                      authorization=lambda: configuration.get_api_key_with_prefix("BearerToken", alias="authorization"),
+                      namespace=namespace, kubeconfig=kubeconfig, context=context, _configuration=configuration)
+
+
+def _kubernetes_configuration(kubeconfig: str | None, context: str | None, *, in_cluster: bool) -> tuple[Any, str]:
+    from kubernetes import client, config  # noqa: PLC0415 - see the module's docstring
+
+    configuration = client.Configuration()
+    if in_cluster:
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        return configuration, Path(f"{SA_DIR}/namespace").read_text().strip()
+    try:
+        config.load_kube_config(config_file=kubeconfig, context=context,  # type: ignore[no-untyped-call]
+                                client_configuration=configuration)
+        _, active = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    except config.ConfigException as exc:
+        raise ValueError(str(exc)) from None
+    if context:
+        contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        active = next((c for c in contexts if c.get("name") == context), active)
+    return configuration, (active or {}).get("context", {}).get("namespace") or "default"
