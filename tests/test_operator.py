@@ -67,7 +67,10 @@ def test_a_killed_agents_task_is_requeued_within_the_lease_duration_and_complete
     # lease duration + grace, plus slack for watch delivery and scheduling on a loaded machine
     assert requeued_after <= 5 + 1 + 2.5, f"requeued after {requeued_after:.1f}s"
 
-    other = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "k", "--", "echo", "rescued"),
+    # It waits for work, as a shell agent's loop does: a one-shot look right after the requeue
+    # may not find the task until the operator has projected it Pending again.
+    other = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "k", "--wait", "30", "--", "echo",
+                                  "rescued"),
                     log=tmp_path / "other.log", env={"POD_NAME": "rescuer"})
     assert other.wait(60) == 0, other.output()
     status = wait_for(lambda: _phase(kube, "orphaned") == "Succeeded" and kube.get(TASKS, "orphaned")["status"],

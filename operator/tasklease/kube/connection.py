@@ -76,9 +76,11 @@ def _in_cluster(pool_size: int) -> Connection:
 
 
 def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int) -> Connection:
-    paths = [p for p in (path or os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep) if p]
+    # Named explicitly to the `kubernetes` package too: it reads $KUBECONFIG once, when imported.
+    source = path or os.environ.get("KUBECONFIG") or "~/.kube/config"
+    paths = [p for p in source.split(os.pathsep) if p]
     if len(paths) != 1:  # merged files: the `kubernetes` package's rules
-        return _elsewhere(path, context_name, pool_size)
+        return _elsewhere(source, context_name, pool_size)
     file = Path(paths[0]).expanduser()
     doc = yaml.safe_load(file.read_text()) or {}
     name = context_name or doc.get("current-context")
@@ -88,7 +90,7 @@ def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int)
     cluster = _named(doc, "clusters", ctx["cluster"], "cluster")
     user = _named(doc, "users", ctx["user"], "user") if ctx.get("user") else {}
     if any(key in user or key in cluster for key in _ELSEWHERE):
-        return _elsewhere(path, context_name, pool_size)
+        return _elsewhere(str(file), context_name, pool_size)
     base = file.parent
     tls = ssl.create_default_context()
     if cluster.get("insecure-skip-tls-verify"):
@@ -107,7 +109,7 @@ def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int)
         authorization = _TokenFile(str(base / user["tokenFile"])).header
     return Connection(host=str(cluster["server"]).rstrip("/"), pool=_pool(tls, pool_size),
                       authorization=authorization, namespace=ctx.get("namespace") or "default",
-                      kubeconfig=path, context=context_name)
+                      kubeconfig=str(file), context=context_name)
 
 
 def _named(doc: dict[str, Any], section: str, name: str, key: str) -> dict[str, Any]:
