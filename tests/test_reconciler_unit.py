@@ -202,6 +202,5 @@ def test_seeding_takes_in_the_listed_leases_before_any_task_is_judged() -> None:
     r.activate()
     assert r.active.wait(DEADLINE_S)
     assert r.store.entry(KEY)[1] is not None  # before the Tasks are listed and queued
-    until(lambda: kube.task_lists == 1, "the Tasks listed")
-    entry, lease = r.store.entry(KEY)
-    assert entry is not None and lease is not None and r.queue.queued(KEY)
+    until(lambda: r.store.entry(KEY)[0] is not None and r.queue.queued(KEY), "the listed Task taken in and queued")
+    assert r.store.entry(KEY)[1] is not None and kube.task_lists == 1
