@@ -8,7 +8,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +19,7 @@ from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.agent.discovery import task_selector
 from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
-from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record
 from tasklease.protocol.rules import Blocker, blocker
 
@@ -313,4 +315,71 @@ def test_an_ending_whose_answer_is_lost_is_retried_and_counts_once(kube: Kube) -
         rec = record.decode(kube.get(LEASES, "blip"))
         assert (rec.outcome, rec.result, [a.outcome for a in rec.history]) == ("Succeeded", "done", ["Succeeded"])
     finally:
+        agent.close()
+
+
+def _hold_the_task_list(kube: Kube, queue: str) -> tuple[threading.Event, list[int]]:
+    """The agent's first list of `queue`'s Tasks waits for the event returned; the other
+    Task LISTs it makes (its reads of the best tasks before that list ends) are counted."""
+    release, reads = threading.Event(), [0]
+    list_pages, first_page = kube.list_pages, kube.list
+
+    def held(res: Any, **kwargs: Any) -> Iterator[JSON]:
+        if res is TASKS and kwargs.get("field_selector") == task_selector(queue):
+            assert release.wait(60), "the test never released the list"
+        yield from list_pages(res, **kwargs)
+
+    def counted(res: Any, **kwargs: Any) -> JSON:
+        reads[0] += res is TASKS
+        return first_page(res, **kwargs)
+    kube.list_pages = held  # type: ignore[method-assign]
+    kube.list = counted  # type: ignore[method-assign]
+    return release, reads
+
+
+def test_before_its_list_ends_one_read_of_the_best_tasks_serves_many_claims(kube: Kube) -> None:
+    """Each read of the best tasks costs the API server a scan of the queue: an agent started
+    at a deep queue claims what one read found of its own, one claim after the other."""
+    for i in range(12):
+        make_task(kube, f"early-{i:02d}", queue="early")
+    release, reads = _hold_the_task_list(kube, "early")
+    agent = Agent(kube, identity=Identity(pod="early-agent", instance="a"))
+    try:
+        done = []
+        for _ in range(10):
+            task = agent.claim("early", timeout=30)
+            task.complete("ok")
+            done.append(task.name)
+        assert not release.is_set() and reads[0] == 1
+        assert len(set(done)) == 10
+    finally:
+        release.set()
+        agent.close()
+
+
+def test_a_claim_timeout_does_not_end_before_the_queue_is_listed(kube: Kube) -> None:
+    """Before its list ends, an agent cannot tell that a deep queue holds nothing for it: a
+    timeout then would stop a worker (`idle_timeout`) beside open work."""
+    make_task(kube, "only", queue="listed")
+    release, _ = _hold_the_task_list(kube, "listed")
+    agent = Agent(kube, identity=Identity(pod="listing-agent", instance="a"))
+    outcome: list[BaseException] = []
+    try:
+        held = agent.claim("listed", timeout=30)
+
+        def claim_more() -> None:
+            try:
+                agent.claim("listed", timeout=0.2)
+            except errors.NothingToClaim as exc:
+                outcome.append(exc)
+        waiting = threading.Thread(target=claim_more, daemon=True)
+        waiting.start()
+        waiting.join(2.0)  # ten times its timeout
+        assert waiting.is_alive() and not outcome
+        release.set()
+        waiting.join(30)
+        assert not waiting.is_alive() and len(outcome) == 1
+        held.complete("ok")
+    finally:
+        release.set()
         agent.close()

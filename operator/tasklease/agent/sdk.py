@@ -74,9 +74,10 @@ class Agent:
         self._member_writes = Writes()  # of the memberships closed
         self._claims: weakref.WeakSet[ClaimedTask] = weakref.WeakSet()
         # Per queue: the rest of a look's own candidates, and the view's generation it was made
-        # at. Until something becomes claimable (the generation moves) those still candidates
-        # are still our best: only we take ours. One look serves several claims.
-        self._next: dict[str, tuple[int, list[str]]] = {}
+        # at (None: read before the list ended). Until something becomes claimable (the
+        # generation moves) those still candidates are still our best: only we take ours. One
+        # look serves several claims (`_kept`).
+        self._next: dict[str, tuple[int | None, list[Candidate]]] = {}
         self._views_lock = threading.Lock()
         self._gates = Gates(kube, namespace=self.namespace, holder=self.identity.holder)  # TaskQueue controls
 
@@ -142,7 +143,9 @@ class Agent:
     def claim(self, queue: str, *, timeout: float | None = None, interrupt: bool = False,
               stop: threading.Event | None = None) -> ClaimedTask:
         """Wait (watch-driven, no polling) until a task of `queue` is ours. NothingToClaim on
-        timeout, when `stop` is set, or when the agent is closed meanwhile. A lost lease sets
+        timeout, when `stop` is set, or when the agent is closed meanwhile. The timeout does not
+        end before the first list of the queue's Tasks has: until then no look can tell that a
+        deep queue holds nothing for us. A lost lease sets
         `task.lost`; with `interrupt` (main thread only) it also raises LostLease inside the
         task's `with` block (`claimed._MainThreadInterrupt` says how, and its limits)."""
         settings = self.settings
@@ -159,8 +162,8 @@ class Agent:
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
             listed = view.listed
-            candidates, recheck, ours = (self._kept(view, since) or self._pick(view, member, stop)) if listed \
-                else self._early(view)
+            candidates, recheck, ours = self._kept(view, since, listed) or (
+                self._pick(view, member, stop) if listed else self._early(view))
             view.start_tasks()
             admission = self._gates.admit(queue, wanted=bool(candidates))
             if admission.wait_s:  # paused, at its claim rate, or no slot free under maxRunning
@@ -170,7 +173,7 @@ class Agent:
             if claimed is not None:
                 if rest and ours:
                     with self._views_lock:
-                        self._next[queue] = (since, [task.name for task, _ in rest])
+                        self._next[queue] = (since if listed else None, rest)
                 return claimed
             wait = recheck
             if lost:
@@ -181,9 +184,10 @@ class Agent:
                 # winners' writes are on their way) instead of spinning on stale candidates.
                 rounds_lost, wait = 0, settings.catch_up_s
             if give_up is not None:
-                wait = min(wait, give_up - time.monotonic())
-                if wait <= 0:
+                left = give_up - time.monotonic()
+                if left <= 0 and listed:
                     raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+                wait = min(wait, max(left, 0.0)) if listed else wait
             next_ready = view.next_not_before()
             if next_ready is not None:
                 wait = min(wait, max((next_ready - self.kube.now()).total_seconds(), 0.05))
@@ -358,14 +362,20 @@ class Agent:
     def _holding(self) -> int:
         return sum(1 for claim in list(self._claims) if not claim.finished)
 
-    def _kept(self, view: QueueView, generation: int) -> tuple[list[Candidate], float, bool] | None:
-        """The rest of the last look's own candidates still candidates, if nothing became
-        claimable since."""
+    def _kept(self, view: QueueView, generation: int, listed: bool) -> tuple[list[Candidate], float, bool] | None:
+        """The rest of the last look's own candidates that may still be claimed: from the index,
+        if nothing became claimable since; from a read made before the list ended (`_early`,
+        generation None), while it has not ended, judged again by what the view knows now. One
+        early read serves many claims: each costs the API server a scan of the queue."""
         with self._views_lock:
             kept = self._next.pop(view.queue, None)
-        if kept is None or kept[0] != generation:
+        if kept is None or (kept[0] is None) == listed or (listed and kept[0] != generation):
             return None
-        candidates = view.still(kept[1], self.kube.now())
+        now = self.kube.now()
+        if kept[0] is None:
+            candidates, division = view.unlisted([task for task, _ in kept[1]], self.identity.holder, now)
+            return (candidates, self.settings.early_s, True) if candidates and division.ours else None
+        candidates = view.still([task.name for task, _ in kept[1]], now)
         return (candidates, self.settings.recheck_s, True) if candidates else None
 
     def _pick(self, view: QueueView, member: Membership,
@@ -406,7 +416,7 @@ class Agent:
         band: int | None = None
         try:
             for read, obj in enumerate(best_first(self.kube, namespace=self.namespace, field_selector=selector,
-                                                  page=self.settings.cli_page)):
+                                                  page=self.settings.early_reads)):
                 task = TaskView.of(obj)
                 if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
                     break
@@ -419,7 +429,7 @@ class Agent:
             log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
             return [], self.settings.early_s, False
         candidates, division = view.unlisted(tasks, self.identity.holder, now)
-        return candidates[:self.settings.kept_per_look], self.settings.early_s, bool(division.ours)
+        return candidates, self.settings.early_s, bool(division.ours)
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
         return view.choose(self.identity.holder, self.kube.now(), window=self.settings.best_of,

@@ -30,6 +30,7 @@ class AgentSettings:
     recheck_s: float = 60.0  # after a look whose candidates were all lost: the watch tells sooner if anything changes
     cli_page: int = 20  # Tasks per page read by the one-shot claim (`tasklease claim`)
     # Before the first list of a queue's Tasks ends: the most of its best tasks a claim reads
-    # (`ranked`, pages of `cli_page`), and how long it waits when none of them may be claimed.
+    # (`ranked`, in one page: each read costs the API server a scan of the queue, and what it
+    # finds of ours serves the claims after it), and how long it waits when none may be claimed.
     early_reads: int = 128
     early_s: float = 1.0
