@@ -36,7 +36,7 @@ def percentiles(latencies: list[float]) -> dict[str, float]:
 
 
 class Workers:
-    """Worker processes started and ready (connected; an agent has joined its queue), each
+    """Worker processes started and ready (connected; an agent has joined and listed its queue), each
     blocked on its stdin until `go`: one per worker, as agents are separate pods."""
 
     def __init__(self, mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,

@@ -110,8 +110,11 @@ def run(args: argparse.Namespace) -> Results:
         agent = Agent(kube, identity=Identity(pod=f"bench-{args.index}", instance=f"{os.getpid()}"))
         synced = time.monotonic()
         # A working agent is a member of its queue before the clock starts, as it would be at
-        # work: joining (its member Lease written, and seen) is once per agent, not per task.
+        # work: joining (its member Lease written, and seen) and listing the queue are once per
+        # agent, not per task (the scale case measures an agent's start).
         view = agent.watch("bench") if args.worker == "idle" else agent.join("bench")
+        if not view.wait_listed(3600):
+            raise RuntimeError("bench: the queue's first list did not end within an hour")
         print(f"ready {time.monotonic() - synced:.3f}", flush=True)
         _wait_for_go()
         events = meter.watch_events
