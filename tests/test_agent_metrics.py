@@ -17,14 +17,7 @@ from tasklease.agent.metrics import AgentMetrics
 from tasklease.api import errors, models
 from tasklease.protocol import Held, LeaseRecord
 from tasklease_dev.cluster import free_port
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from fake_clock import Clock
 
 
 class Writes:

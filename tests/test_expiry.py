@@ -5,16 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tasklease.operator.expiry import DeadlineQueue, LeaseClock, Observation, PodsGone
+from fake_clock import Clock
 
 pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_held_version_is_timed_from_when_it_was_first_seen() -> None:

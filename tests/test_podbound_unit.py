@@ -16,20 +16,13 @@ from tasklease.agent.identity import own_pod_uid
 from tasklease.operator.podbound import Act, Bindings, pod_state
 from tasklease.protocol import record
 from tasklease.protocol.rules import TaskView, claimed, ended
+from fake_clock import Clock
 
 pytestmark = pytest.mark.unit
 
 UID = "0b8e6a52-8f53-4c0e-9f0a-3c1d2e4f5a6b"
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 KEY = ("ns", "t")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def held(*, rv: str = "1", epoch: int = 1, pod_bound: str = UID, holder: str = "p/shell.1") -> record.LeaseRecord:

@@ -17,20 +17,13 @@ from fake_kube import FakeKube  # noqa: E402
 from tasklease.kube import JSON, LEASES, TASKS, Resource  # noqa: E402
 from tasklease.operator.reconciler import Reconciler  # noqa: E402
 from tasklease.protocol import LeaseRecord, record  # noqa: E402
+from fake_clock import Clock
 
 pytestmark = pytest.mark.unit
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 KEY = ("ns", "t")
 DEADLINE_S = 10.0  # a generous bound on a loaded machine; each wait ends as soon as it holds
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class ListingKube(FakeKube):
@@ -95,7 +88,7 @@ def until(condition: Any, message: str) -> None:
 
 def test_each_watch_event_queues_its_tasks_key_once() -> None:
     kube = FakeKube()
-    r = reconciler(kube, Clock())
+    r = reconciler(kube, Clock(1000.0))
     r.on_task("ADDED", kube.put(TASKS, task()))
     r.on_lease("ADDED", kube.put(LEASES, held_lease()))
     r.on_task("ADDED", kube.put(TASKS, task("u")))
@@ -105,17 +98,17 @@ def test_each_watch_event_queues_its_tasks_key_once() -> None:
 
 
 def test_the_events_of_one_coalescing_window_make_one_reconcile() -> None:
-    kube, clock = FakeKube(), Clock()
+    kube, clock = FakeKube(), Clock(1000.0)
     r = reconciler(kube, clock, coalesce_s=0.5)
     r.on_task("ADDED", kube.put(TASKS, task()))
     r.on_lease("ADDED", kube.put(LEASES, held_lease()))
     assert drain(r) == []  # the window is open
-    clock.t += 0.5
+    clock.now += 0.5
     assert drain(r) == [KEY]
 
 
 def test_an_unreadable_event_queues_nothing() -> None:
-    r = reconciler(FakeKube(), Clock())
+    r = reconciler(FakeKube(), Clock(1000.0))
     r.on_task("ADDED", {"metadata": {"namespace": "ns"}})
     r.on_lease("ADDED", {"metadata": {}})
     assert drain(r) == []
@@ -123,7 +116,7 @@ def test_an_unreadable_event_queues_nothing() -> None:
 
 def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:
     kube = FakeKube()
-    r = reconciler(kube, Clock())
+    r = reconciler(kube, Clock(1000.0))
     r.on_task("ADDED", kube.put(TASKS, task()))
     r.on_lease("ADDED", kube.put(LEASES, held_lease()))
     drain(r)
@@ -145,7 +138,7 @@ def stop() -> Iterator[threading.Event]:
 
 def test_seeding_runs_off_the_election_thread_and_nothing_is_decided_before_it(stop: threading.Event) -> None:
     kube = ListingKube()
-    r = reconciler(kube, Clock(), workers=1)
+    r = reconciler(kube, Clock(1000.0), workers=1)
     r.queue.max_wait_s = 0.05
     r.on_task("ADDED", kube.put(TASKS, task(cancel=True)))  # a decision would write at once
     threading.Thread(target=r.run, args=(stop,), daemon=True).start()
@@ -162,7 +155,7 @@ def test_seeding_runs_off_the_election_thread_and_nothing_is_decided_before_it(s
 
 def test_losing_leadership_during_seeding_stops_it(stop: threading.Event) -> None:
     kube = ListingKube()
-    r = reconciler(kube, Clock(), workers=1)
+    r = reconciler(kube, Clock(1000.0), workers=1)
     r.queue.max_wait_s = 0.05
     r.on_task("ADDED", kube.put(TASKS, task(cancel=True)))
     threading.Thread(target=r.run, args=(stop,), daemon=True).start()
@@ -181,7 +174,7 @@ def test_losing_leadership_during_seeding_stops_it(stop: threading.Event) -> Non
 def test_a_leader_that_steps_down_decides_nothing_more(stop: threading.Event) -> None:
     kube = ListingKube()
     kube.release.set()
-    r = reconciler(kube, Clock(), workers=1)
+    r = reconciler(kube, Clock(1000.0), workers=1)
     r.queue.max_wait_s = 0.05
     threading.Thread(target=r.run, args=(stop,), daemon=True).start()
     r.activate()
@@ -196,7 +189,7 @@ def test_a_leader_that_steps_down_decides_nothing_more(stop: threading.Event) ->
 def test_seeding_takes_in_the_listed_leases_before_any_task_is_judged() -> None:
     kube = ListingKube()
     kube.release.set()
-    r = reconciler(kube, Clock())
+    r = reconciler(kube, Clock(1000.0))
     kube.put(TASKS, task())
     kube.put(LEASES, held_lease())  # held before we led; its watch event has not arrived
     r.activate()

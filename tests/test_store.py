@@ -16,19 +16,12 @@ from tasklease.kube import JSON  # noqa: E402
 from tasklease.operator import metrics  # noqa: E402
 from tasklease.operator.store import Store  # noqa: E402
 from tasklease.protocol import LeaseRecord, TaskView, record  # noqa: E402
+from fake_clock import Clock
 
 pytestmark = pytest.mark.unit
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 KEY = ("ns", "t")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def store(clock: Clock) -> Store:
@@ -59,7 +52,7 @@ def held_rv(s: Store) -> str | None:
 
 
 def test_added_modified_and_deleted_tasks_are_taken_in_and_each_names_its_key() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     assert s.task_event("ADDED", task("5")) == KEY
     assert s.task(KEY) is not None and s.task(KEY).json()["spec"] == {"queue": "q"}  # type: ignore[union-attr]
     assert s.task_event("MODIFIED", task("6", cancel=True)) == KEY
@@ -70,7 +63,7 @@ def test_added_modified_and_deleted_tasks_are_taken_in_and_each_names_its_key() 
 
 
 def test_an_older_task_version_is_ignored_and_queues_nothing_but_a_listed_one_is_looked_at() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.task_event("ADDED", task("9", cancel=True))
     kept = s.task(KEY)
     assert s.task_event("MODIFIED", task("8")) is None  # replayed older news: nothing to look at
@@ -80,14 +73,14 @@ def test_an_older_task_version_is_ignored_and_queues_nothing_but_a_listed_one_is
 
 
 def test_a_deletion_is_applied_whatever_version_it_carries() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.task_event("ADDED", task("9"))
     s.task_event("DELETED", task("3"))  # a relist's deletion carries the version last listed
     assert s.task(KEY) is None
 
 
 def test_a_version_that_is_no_number_counts_as_newer() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.task_event("ADDED", task("9"))
     s.task_event("MODIFIED", task("opaque", cancel=True))
     assert s.task(KEY).json()["spec"]["cancel"] is True  # type: ignore[union-attr]
@@ -99,7 +92,7 @@ def test_a_version_that_is_no_number_counts_as_newer() -> None:
                                  {"metadata": {"namespace": "ns", "name": "t"}, "spec": ["not", "a", "map"]}],
                          ids=["no-metadata", "no-name", "name-not-a-string", "spec-not-a-map"])
 def test_a_task_that_cannot_be_read_is_skipped_and_counted(obj: JSON) -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.task_event("ADDED", task("5"))
     before = malformed("Task")
     assert s.task_event("MODIFIED", obj) is None
@@ -108,10 +101,10 @@ def test_a_task_that_cannot_be_read_is_skipped_and_counted(obj: JSON) -> None:
 
 
 def test_leases_are_taken_in_stale_versions_ignored_and_deletions_forget_them() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     s = store(clock)
     assert s.lease_event("ADDED", lease("10", holder="p/1", epoch=1)) == KEY
-    clock.t += 3
+    clock.now += 3
     assert s.lease_event("MODIFIED", lease("11", holder="p/1", epoch=1)) == KEY
     assert held_rv(s) == "11"
     assert s.lease_event("MODIFIED", lease("10", holder="p/1", epoch=1)) is None  # older: nothing new
@@ -124,7 +117,7 @@ def test_leases_are_taken_in_stale_versions_ignored_and_deletions_forget_them() 
 
 
 def test_a_lease_that_cannot_be_read_drops_the_one_held_and_is_counted() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.lease_event("ADDED", lease("10", holder="p/1", epoch=1))
     unreadable = lease("11", holder="p/1", epoch=1)
     unreadable["spec"] = "not a map"
@@ -137,10 +130,10 @@ def test_a_lease_that_cannot_be_read_drops_the_one_held_and_is_counted() -> None
 
 
 def test_the_snapshot_says_what_our_clocks_saw_of_the_held_version() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     s = store(clock)
     s.lease_event("ADDED", lease("10", holder="agent-0/i@abcdef12", epoch=1))
-    clock.t += 4
+    clock.now += 4
     _, kept = s.entry(KEY)
     assert kept is not None
     rec = kept.record()
@@ -157,7 +150,7 @@ def test_the_snapshot_says_what_our_clocks_saw_of_the_held_version() -> None:
 
 
 def test_our_own_lease_write_is_kept_unless_the_watch_brought_a_newer_one() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.lease_event("ADDED", lease("10", holder="p/1", epoch=1))
     before = record.decode(lease("10", holder="p/1", epoch=1))
     s.remember(before, record.decode(lease("12", epoch=1)))
@@ -168,7 +161,7 @@ def test_our_own_lease_write_is_kept_unless_the_watch_brought_a_newer_one() -> N
 
 
 def test_our_status_write_is_kept_unless_an_event_replaced_the_task_meanwhile() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.task_event("ADDED", task("5"))
     entry = s.task(KEY)
     assert entry is not None
@@ -185,7 +178,7 @@ def _pending(s: Store) -> float | None:
 
 
 def test_a_projected_phase_is_counted_once_and_not_again_after_its_task_is_gone() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     obj = task("5", queue="gauged")
     s.task_event("ADDED", obj)
     before = _pending(s) or 0.0
@@ -200,7 +193,7 @@ def test_a_projected_phase_is_counted_once_and_not_again_after_its_task_is_gone(
 
 
 def test_a_malformed_lease_is_reported_once_per_attempt_and_kind_of_problem() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     rec = record.decode(lease("10", holder="p/1", epoch=1))
     bad = replace(rec, malformed=("history",))
     assert s.first_report(bad) and not s.first_report(bad)
@@ -209,7 +202,7 @@ def test_a_malformed_lease_is_reported_once_per_attempt_and_kind_of_problem() ->
 
 
 def test_an_older_lease_version_that_cannot_be_read_leaves_the_newer_one_held() -> None:
-    s = store(Clock())
+    s = store(Clock(1000.0))
     s.lease_event("ADDED", lease("10", holder="p/1", epoch=1))
     older = lease("9", holder="p/1", epoch=1)
     older["spec"] = "not a map"
