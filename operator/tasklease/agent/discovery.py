@@ -393,7 +393,7 @@ class QueueView:
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]
         view = None if kind == "DELETED" else TaskView.of(obj)
-        text = b"" if view is None else compact(obj)
+        text = b"" if view is None else compact(obj, queue=self.queue)
         with self._changed:
             if view is None:
                 # Finished (it left the phase selector) or deleted: its Lease no longer matters.
@@ -511,7 +511,7 @@ class QueueView:
         text = self._tasks.get(name)
         if text is None:
             return None
-        view = expand(text, name=name, namespace=self._namespace)
+        view = expand(text, name=name, namespace=self._namespace, queue=self.queue)
         self._remember(name, view)
         return view
 
