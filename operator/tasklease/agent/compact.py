@@ -9,9 +9,9 @@ The views are decoded again on demand.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-import uuid
 from datetime import datetime
 from typing import Any, Final
 
@@ -26,6 +26,7 @@ _SPEC_DEFAULTS: Final = {k: v for k, v in models.TaskSpec.model_validate({"queue
 _UUID: Final = 0  # the first byte: the uid follows as 16 bytes; else the length of its text
 _SECONDS: Final = 255  # the creation time's first byte: 5 bytes of seconds follow; else its length
 _TIME: Final = "%Y-%m-%dT%H:%M:%SZ"  # how the API server writes a creationTimestamp
+_JSON: Final = json.JSONEncoder(separators=(",", ":"))
 
 
 def compact(task: JSON, *, queue: str = "") -> bytes:
@@ -42,11 +43,11 @@ def expand(data: bytes, *, name: str, namespace: str, queue: str = "") -> TaskVi
     """The view `compact(task, queue=queue)` was made from."""
     size = data[0]
     if size == _UUID:
-        uid, at = str(uuid.UUID(bytes=data[1:17])), 17
+        uid, at = _text(data[1:17]), 17
     else:
         uid, at = data[1:1 + size].decode(), 1 + size
     if data[at] == _SECONDS:
-        created, at = time.strftime(_TIME, time.gmtime(int.from_bytes(data[at + 1:at + 6], "big"))), at + 6
+        created, at = _time(int.from_bytes(data[at + 1:at + 6], "big")), at + 6
     else:
         created, at = data[at + 1:at + 1 + data[at]].decode(), at + 1 + data[at]
     rest = json.loads(data[at:]) if len(data) > at else {}
@@ -58,25 +59,41 @@ def expand(data: bytes, *, name: str, namespace: str, queue: str = "") -> TaskVi
 
 
 def _uid(uid: str) -> bytes:
-    try:
-        packed = uuid.UUID(uid)
-    except ValueError:
-        packed = None
-    if packed is not None and str(packed) == uid:
-        return bytes([_UUID]) + packed.bytes
+    digits = uid.replace("-", "")
+    if len(uid) == 36 and len(digits) == 32 and digits.isalnum():
+        try:
+            packed = bytes.fromhex(digits)
+        except ValueError:
+            packed = b""
+        if packed and _text(packed) == uid:
+            return bytes([_UUID]) + packed
     text = uid.encode()
     if not 0 < len(text) < 256:
         raise ValueError(f"a uid of {len(text)} bytes")
     return bytes([len(text)]) + text
 
 
+def _text(packed: bytes) -> str:
+    """A UUID's 16 bytes as the API server writes it (as `str(uuid.UUID(bytes=packed))`)."""
+    h = packed.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+# Tasks created together share their creation time: each is packed and unpacked once (and
+# the views decoded again share its text).
+@functools.lru_cache(maxsize=64)
+def _time(seconds: int) -> str:
+    return time.strftime(_TIME, time.gmtime(seconds))
+
+
+@functools.lru_cache(maxsize=64)
 def _created(created: str) -> bytes:
     try:
         at = datetime.fromisoformat(created) if len(created) == 20 else None
     except ValueError:
         at = None
     seconds = int(at.timestamp()) if at is not None and at.tzinfo is not None else -1
-    if 0 <= seconds < 2**40 and time.strftime(_TIME, time.gmtime(seconds)) == created:
+    if 0 <= seconds < 2**40 and _time(seconds) == created:
         return bytes([_SECONDS]) + seconds.to_bytes(5, "big")
     text = created.encode()
     if len(text) >= _SECONDS:
@@ -88,5 +105,5 @@ def _rest(spec: dict[str, Any], attempt: int, phase: str) -> bytes:
     """The spec alone for a task never attempted (nothing at all for a spec of defaults), else
     [spec, attempt, phase]."""
     if not attempt and not phase:
-        return json.dumps(spec, separators=(",", ":")).encode() if spec else b""
-    return json.dumps([spec, attempt, phase], separators=(",", ":")).encode()
+        return _JSON.encode(spec).encode() if spec else b""
+    return _JSON.encode([spec, attempt, phase]).encode()
