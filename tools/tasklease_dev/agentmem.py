@@ -5,7 +5,8 @@ what importing an agent costs (peak RSS and CPU of `import tasklease.agent.sdk` 
 CLI's module), and what a QueueView holding N open tasks costs: N Tasks as the API server
 lists them (uid, creationTimestamp, resourceVersion, managedFields, the rank label, the
 spec with the CRD's defaults filled in, no status), fed through the Task watch's own list
-path in pages of 500 decoded from JSON bytes, as `Kube.list_pages` reads them.
+path in pages of 500 decoded from JSON bytes, as `Kube.list_pages` reads them (keys in the
+API server's order: a custom resource's `items` come before the list's `metadata`).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class PagedKube:
             # One task at a time, as an answer's bytes arrive: nothing but the bytes outlives this.
             items = b",".join(json.dumps(task_json(i, self.start)).encode()
                               for i in range(first, min(first + _PAGE, self.tasks)))
-            yield decode.loads(b'{"apiVersion":"tasklease.dev/v1alpha1","kind":"TaskList",'
-                               b'"metadata":{"resourceVersion":"99999"},"items":[' + items + b"]}")
+            data = (b'{"apiVersion":"tasklease.dev/v1alpha1","items":[' + items +
+                    b'],"kind":"TaskList","metadata":{"resourceVersion":"99999"}}')
+            yield decode.loads_page(data) if kwargs.get("stream") else decode.loads(data)
 
     def now(self) -> datetime:
         return datetime.now(UTC)
