@@ -33,7 +33,7 @@ class _Band:
 class CandidateIndex:
     """Claimable task names by priority band, oldest first within a band (then by name).
 
-    Adding and removing are O(1) but for a new creation time (O(log n) to place it);
+    Adding and removing are O(1) but for a new creation time (placed by bisection);
     removing leaves the name in its bucket's list, dropped when the bucket is next sorted or
     looked at. A look sorts the buckets it passes that changed since, and drops their stale
     names: it costs the size of the buckets it reads, not of the queue."""

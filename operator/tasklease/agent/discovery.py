@@ -11,7 +11,7 @@ time. Agents divide the tasks among the members, so none needs to hear of each c
 claiming member's share leaves its peers' index (it is "parked") until it stops claiming.
 
 Each event re-judges one task with the one claimability rule (`rules.blocker`) and updates
-the index in O(log n). No polling: a waiting agent sleeps until something becomes
+the index in O(1) (`candidates`). No polling: a waiting agent sleeps until something becomes
 claimable, a peer comes or goes, or the earliest backoff runs out.
 """
 
