@@ -66,6 +66,7 @@ def test_a_page_decoded_an_item_at_a_time_reads_as_json_reads_it(page: dict[str,
         page["items"] = items
     data = json.dumps(page, indent=len(blank) or None, separators=None if blank else (",", ":"))
     assert _read((blank + data + blank).encode()) == json.loads(data)
+    assert _read(("\ufeff" + data).encode()) == json.loads(data.encode("utf-8-sig"))  # a byte order mark
 
 
 def test_a_page_with_an_item_too_deep_gives_every_item_once_the_deep_one_cut() -> None:

@@ -58,7 +58,7 @@ def loads_page(data: bytes) -> dict[str, Any]:
     scattered among the page's garbage). `items` is an iterator; the keys that follow it in
     the answer (a custom resource's `metadata`, with the `continue` token) are there once it
     has been iterated to its end. Read as `loads` reads: an item too deep for json is cut."""
-    text = data.decode()
+    text = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads reads bytes
     page: dict[str, Any] = {}
     walk = _walk(text, page)
     if next(walk, None) is not None:  # at the items, which the walk yields from now on
