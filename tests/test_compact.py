@@ -56,10 +56,14 @@ def test_a_creation_time_reads_back_as_written_packed_or_not(at: str) -> None:
 
 
 def test_the_common_task_keeps_its_uid_time_and_payload_and_little_else() -> None:
-    """Defaults as the API server fills them in, the watched queue, no attempt yet: none is kept."""
+    """Defaults as the API server fills them in, the watched queue, no attempt yet: none is kept
+    (a Pending status in one byte)."""
     task = {"metadata": {"uid": str(uuid.uuid4()), "creationTimestamp": "2026-01-01T00:00:00Z"},
             "spec": {"queue": "q", "payload": {"i": 12345}, "priority": 0, "maxAttempts": 3,
                      "leaseDurationSeconds": 30, "cancel": False,
                      "backoff": {"policy": "Exponential", "initialSeconds": 5, "maxSeconds": 300, "jitter": True}}}
     assert compact(task, queue="q") == compact(task, queue="q")[:23] + b'{"payload":{"i":12345}}'
     assert len(compact({**task, "spec": {"queue": "q"}}, queue="q")) == 1 + 16 + 1 + 5
+    waiting = {**task, "status": {"phase": "Pending", "reason": "", "holder": "", "attempt": 0, "result": "",
+                                  "lastError": "", "observedGeneration": 0}}  # the CRD's default status
+    assert len(compact(waiting, queue="q")) == len(compact(task, queue="q")) + 1

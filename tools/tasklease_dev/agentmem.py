@@ -4,7 +4,7 @@
 what importing an agent costs (peak RSS and CPU of `import tasklease.agent.sdk` and of the
 CLI's module), and what a QueueView holding N open tasks costs: N Tasks as the API server
 lists them (uid, creationTimestamp, resourceVersion, managedFields, the rank label, the
-spec with the CRD's defaults filled in, no status), fed through the Task watch's own list
+spec and the status with the CRD's defaults filled in), fed through the Task watch's own list
 path in pages of 500 decoded from JSON bytes, as `Kube.list_pages` reads them (keys in the
 API server's order: a custom resource's `items` come before the list's `metadata`).
 """
@@ -35,7 +35,8 @@ def _status_mb(field: str) -> float:
 
 
 def task_json(i: int, start: datetime) -> dict[str, Any]:
-    """Task `i` as the API server lists it: created a few per millisecond, defaults applied."""
+    """Task `i` as the API server lists it: created a few per millisecond, defaults applied, not
+    yet claimed."""
     created = (start + timedelta(milliseconds=i // 4)).strftime("%Y-%m-%dT%H:%M:%SZ")
     name = f"bench-{i:06d}"
     return {
@@ -54,6 +55,8 @@ def task_json(i: int, start: datetime) -> dict[str, Any]:
         "spec": {"backoff": {"initialSeconds": 5, "jitter": True, "maxSeconds": 300, "policy": "Exponential"},
                  "cancel": False, "leaseDurationSeconds": 30, "maxAttempts": 3, "payload": {"i": i},
                  "priority": 0, "queue": QUEUE},
+        "status": {"attempt": 0, "holder": "", "lastError": "", "observedGeneration": 0, "phase": "Pending",
+                   "reason": "", "result": ""},
     }
 
 

@@ -3,7 +3,8 @@
 An agent keeps every open task of its queue; a TaskView takes about two kilobytes. Kept
 instead: the uid as its 16 bytes (a UUID, as the API server writes it), the creation time
 as five bytes of seconds (when it reads back the same text), then the rest as compact JSON
-without what the common task has: the spec's defaults, the view's queue, a first attempt.
+without what the common task has: the spec's defaults, the view's queue, the status of a
+task not attempted yet.
 The views are decoded again on demand.
 """
 
@@ -27,6 +28,7 @@ _UUID: Final = 0  # the first byte: the uid follows as 16 bytes; else the length
 _SECONDS: Final = 255  # the creation time's first byte: 5 bytes of seconds follow; else its length
 _TIME: Final = "%Y-%m-%dT%H:%M:%SZ"  # how the API server writes a creationTimestamp
 _JSON: Final = json.JSONEncoder(separators=(",", ":"))
+_PENDING: Final = b"P"  # before the rest: a first attempt's status, Pending (JSON never starts so)
 
 
 def compact(task: JSON, *, queue: str = "") -> bytes:
@@ -50,8 +52,10 @@ def expand(data: bytes, *, name: str, namespace: str, queue: str = "") -> TaskVi
         created, at = _time(int.from_bytes(data[at + 1:at + 6], "big")), at + 6
     else:
         created, at = data[at + 1:at + 1 + data[at]].decode(), at + 1 + data[at]
+    pending = data[at:at + 1] == _PENDING
+    at += pending
     rest = json.loads(data[at:]) if len(data) > at else {}
-    spec, attempt, phase = (rest, 0, "") if isinstance(rest, dict) else rest
+    spec, attempt, phase = (rest, 0, models.Phase.PENDING.value if pending else "") if isinstance(rest, dict) else rest
     if queue:
         spec.setdefault("queue", queue)
     return TaskView.of({"metadata": {"name": name, "namespace": namespace, "uid": uid, "creationTimestamp": created},
@@ -102,8 +106,8 @@ def _created(created: str) -> bytes:
 
 
 def _rest(spec: dict[str, Any], attempt: int, phase: str) -> bytes:
-    """The spec alone for a task never attempted (nothing at all for a spec of defaults), else
-    [spec, attempt, phase]."""
-    if not attempt and not phase:
-        return _JSON.encode(spec).encode() if spec else b""
+    """For a task never attempted, the spec alone (nothing at all for a spec of defaults), after
+    `_PENDING` when its status says Pending (the CRD's default); else [spec, attempt, phase]."""
+    if not attempt and phase in ("", models.Phase.PENDING):
+        return (_PENDING if phase else b"") + (_JSON.encode(spec).encode() if spec else b"")
     return _JSON.encode([spec, attempt, phase]).encode()
