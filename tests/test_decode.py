@@ -79,7 +79,8 @@ def test_a_page_with_an_item_too_deep_gives_every_item_once_the_deep_one_cut() -
 
 
 def test_an_answer_that_is_not_json_is_refused_as_json_refuses_it() -> None:
-    for bad in (b'{"items":[1,2', b'{"items":[1 2]}', b'[1]', b''):
+    for bad in (b'{"items":[1,2', b'{"items":[1 2]}', b'[1]', b'', b'{"items":[1,]}', b'{"a":1,}', b'{1:2}',
+                b'{"items":[]} {}', b'{"a" 1}'):
         try:
             _read(bad)
         except ValueError:

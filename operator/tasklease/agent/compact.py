@@ -4,8 +4,7 @@ An agent keeps every open task of its queue; a TaskView takes about two kilobyte
 instead: the uid as its 16 bytes (a UUID, as the API server writes it), the creation time
 as five bytes of seconds (when it reads back the same text), then the rest as compact JSON
 without what the common task has: the spec's defaults, the view's queue, the status of a
-task not attempted yet.
-The views are decoded again on demand.
+task not attempted yet. The views are decoded again on demand.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ def expand(data: bytes, *, name: str, namespace: str, queue: str = "") -> TaskVi
 
 def _uid(uid: str) -> bytes:
     digits = uid.replace("-", "")
-    if len(uid) == 36 and len(digits) == 32 and digits.isalnum():
+    if len(uid) == 36 and len(digits) == 32:  # then read back: exactly as the API server writes one
         try:
             packed = bytes.fromhex(digits)
         except ValueError:

@@ -66,7 +66,6 @@ def loads_page(data: bytes) -> dict[str, Any]:
     return page
 
 
-
 def _walk(text: str, page: dict[str, Any]) -> Iterator[Any]:
     """Fill `page` with the top-level object of `text`; at a key `items` holding an array, yield
     True, then each item, then go on. What json cannot read this way is read by `loads`."""
@@ -79,8 +78,8 @@ def _walk(text: str, page: dict[str, Any]) -> Iterator[Any]:
         while text[at:at + 1] != "}":
             key, at = _DECODER.raw_decode(text, at)
             at = _skip(text, at)
-            if text[at:at + 1] != ":":
-                raise ValueError("no colon after a key")
+            if not isinstance(key, str) or text[at:at + 1] != ":":
+                raise ValueError("not a key")
             at = _skip(text, at + 1)
             if key == "items" and text[at:at + 1] == "[":
                 reached = True
@@ -92,7 +91,7 @@ def _walk(text: str, page: dict[str, Any]) -> Iterator[Any]:
                     yield item
                     at = _skip(text, at)
                     if text[at:at + 1] == ",":
-                        at = _skip(text, at + 1)
+                        at = _next(text, at)
                     elif text[at:at + 1] != "]":
                         raise ValueError("no comma between items")
                 at += 1
@@ -100,9 +99,11 @@ def _walk(text: str, page: dict[str, Any]) -> Iterator[Any]:
                 page[key], at = _DECODER.raw_decode(text, at)
             at = _skip(text, at)
             if text[at:at + 1] == ",":
-                at = _skip(text, at + 1)
+                at = _next(text, at)
             elif text[at:at + 1] != "}":
                 raise ValueError("no comma between keys")
+        if _skip(text, at + 1) != len(text):
+            raise ValueError("more after the answer")
     except (ValueError, RecursionError):
         whole = loads(text)  # too deep: cut as `loads` cuts; invalid: its error
         if not isinstance(whole, dict):
@@ -112,6 +113,14 @@ def _walk(text: str, page: dict[str, Any]) -> Iterator[Any]:
         if not reached and items is not None:
             yield True
         yield from (items or [])[yielded:]
+
+
+def _next(text: str, at: int) -> int:
+    """Past the comma at `at`, at what follows it: something, not the end of its container."""
+    at = _skip(text, at + 1)
+    if text[at:at + 1] in ("]", "}", ""):
+        raise ValueError("a comma before the end")
+    return at
 
 
 def _skip(text: str, at: int) -> int:
