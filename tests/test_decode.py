@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasklease.api import models
 from tasklease.kube import decode
+
+pytestmark = pytest.mark.unit  # pure: no control plane
 
 
 def _nested(depth: int) -> str:
@@ -40,3 +44,45 @@ def test_flatten_keeps_every_object_within_its_depth_as_it_was(value: object) ->
 def test_flatten_cuts_exactly_what_nests_deeper(value: object, depth: int) -> None:
     cut = json.loads(decode.flatten(json.dumps(value).encode(), depth))
     assert models.payload_depth(cut) <= depth
+
+
+def _read(data: bytes) -> object:
+    """A page as `decode.loads_page` gives it, its items iterated to their end."""
+    page = decode.loads_page(data)
+    items = page.get("items")
+    if isinstance(items, Iterator):
+        page["items"] = list(items)  # before the keys that follow are looked at
+    return page
+
+
+pages = st.dictionaries(st.sampled_from(["apiVersion", "kind", "metadata", "items", "x"]), json_values, max_size=5)
+
+
+@settings(deadline=None)  # no timing in tests: a loaded machine is slow
+@given(pages, st.lists(json_values, max_size=5), st.booleans(), st.sampled_from(["", " ", "\n  "]))
+def test_a_page_decoded_an_item_at_a_time_reads_as_json_reads_it(page: dict[str, object], items: list[object],
+                                                                  listed: bool, blank: str) -> None:
+    if listed:
+        page["items"] = items
+    data = json.dumps(page, indent=len(blank) or None, separators=None if blank else (",", ":"))
+    assert _read((blank + data + blank).encode()) == json.loads(data)
+    assert _read(("\ufeff" + data).encode()) == json.loads(data.encode("utf-8-sig"))  # a byte order mark
+
+
+def test_a_page_with_an_item_too_deep_gives_every_item_once_the_deep_one_cut() -> None:
+    data = ('{"apiVersion":"v1","items":[{"n":1},{"n":2,"deep":' + _nested(6_000) + '},{"n":3}],'
+            '"metadata":{"continue":"c"}}').encode()
+    page = decode.loads_page(data)
+    items = list(page["items"])
+    assert [item["n"] for item in items] == [1, 2, 3] and page["metadata"] == {"continue": "c"}
+    assert decode.TOO_DEEP in json.dumps(items[1]) and page["apiVersion"] == "v1"
+
+
+def test_an_answer_that_is_not_json_is_refused_as_json_refuses_it() -> None:
+    for bad in (b'{"items":[1,2', b'{"items":[1 2]}', b'[1]', b'', b'{"items":[1,]}', b'{"a":1,}', b'{1:2}',
+                b'{"items":[]} {}', b'{"a" 1}'):
+        try:
+            _read(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was read")

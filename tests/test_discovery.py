@@ -604,6 +604,22 @@ def test_the_index_keeps_one_live_entry_per_task_and_orders_a_recreated_task_by_
 
 
 @pytest.mark.unit
+def test_the_index_offers_a_task_dropped_and_added_again_in_its_second_once() -> None:
+    """Tasks created in the same second share a list; a dropped one stays in it until a look
+    passes it: added again, it is there twice, and offered once."""
+    index = CandidateIndex()
+    for name in ("b", "a", "c"):
+        index.add(name, 0, "2026-01-01T00:00:01Z")
+    index.discard("b")
+    index.add("b", 0, "2026-01-01T00:00:01Z")
+    index.add("c", 3, "2026-01-01T00:00:01Z")  # to another band and back
+    index.add("c", 0, "2026-01-01T00:00:01Z")
+    assert index.best(8) == ["a", "b", "c"] and len(index) == 3
+    index.discard("a")
+    assert index.best(1) == ["b"] and index.best(8) == ["b", "c"]
+
+
+@pytest.mark.unit
 def test_the_task_watch_keeps_no_store_of_its_own_and_a_relist_still_finds_what_vanished() -> None:
     """The view keeps every open task's name: the watch asks it (`known`) instead of keeping them twice."""
     class Pages:

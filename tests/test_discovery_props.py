@@ -29,6 +29,10 @@ ops = st.lists(st.tuples(st.sampled_from(["add", "discard", "best"]), names, st.
 @given(ops)
 def test_the_index_answers_as_the_sorted_live_candidates_of_the_top_band(steps: list[tuple[str, str, int, int,
                                                                                           int]]) -> None:
+    _answers_as_sorted(steps)
+
+
+def _answers_as_sorted(steps: list[tuple[str, str, int, int, int]]) -> None:
     index, live = CandidateIndex(), {}
     for op, name, priority, second, window in steps:
         if op == "add":
@@ -42,6 +46,20 @@ def test_the_index_answers_as_the_sorted_live_candidates_of_the_top_band(steps: 
             assert index.best(window) == [n for _, n in sorted((c, n) for n, (p, c) in live.items() if p == top)][
                 :window]
         assert len(index) == len(live)
+
+
+crowded = st.lists(st.tuples(st.sampled_from(["add", "add", "discard", "best"]),
+                             st.sampled_from(["t0", "t1", "t2", "t3"]), st.sampled_from([0, 0, 0, 5]),
+                             st.integers(0, 1), st.sampled_from([2, 8])), max_size=60)
+
+
+@settings(deadline=None)  # no timing in tests: a loaded machine is slow
+@given(crowded)
+def test_the_index_answers_as_the_sorted_live_candidates_when_many_share_a_second(
+        steps: list[tuple[str, str, int, int, int]]) -> None:
+    """Many tasks created in the same second, moved between bands, dropped and added again:
+    what a second's candidates leave behind (stale names, duplicates) never shows."""
+    _answers_as_sorted(steps)
 
 
 peer_sets = st.sets(st.sampled_from([f"pod-{i}/1" for i in range(6)]), min_size=1)

@@ -9,8 +9,9 @@ Rule: talks to Leases only through `tasklease.protocol`; never imports
 What users import is listed in `__all__`; every other name here is private by convention.
 """
 
-from tasklease.agent.aio import AsyncAgent, AsyncClaimedTask, AsyncProducer
-from tasklease.agent.producer import Producer, Task
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from tasklease.agent.sdk import Agent, AgentSettings, ClaimedTask, Identity
 from tasklease.api.errors import (
     Conflict,
@@ -32,3 +33,21 @@ __all__ = [
     "CRDMissing", "Conflict", "Forbidden", "Invalid", "LostLease", "NotClaimable", "NotFound", "NothingToClaim",
     "ServerError", "TaskleaseError", "Unreachable",
 ]
+
+if TYPE_CHECKING:
+    from tasklease.agent.aio import AsyncAgent, AsyncClaimedTask, AsyncProducer
+    from tasklease.agent.producer import Producer, Task
+
+# Imported when first used: an agent that only claims needs neither asyncio nor the producer.
+_LAZY = {"AsyncAgent": "aio", "AsyncClaimedTask": "aio", "AsyncProducer": "aio", "Producer": "producer",
+         "Task": "producer"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+

@@ -11,7 +11,7 @@ time. Agents divide the tasks among the members, so none needs to hear of each c
 claiming member's share leaves its peers' index (it is "parked") until it stops claiming.
 
 Each event re-judges one task with the one claimability rule (`rules.blocker`) and updates
-the index in O(log n). No polling: a waiting agent sleeps until something becomes
+the index in O(1) (`candidates`). No polling: a waiting agent sleeps until something becomes
 claimable, a peer comes or goes, or the earliest backoff runs out.
 """
 
@@ -393,7 +393,7 @@ class QueueView:
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]
         view = None if kind == "DELETED" else TaskView.of(obj)
-        text = b"" if view is None else compact(obj)
+        text = b"" if view is None else compact(obj, queue=self.queue)
         with self._changed:
             if view is None:
                 # Finished (it left the phase selector) or deleted: its Lease no longer matters.
@@ -511,7 +511,7 @@ class QueueView:
         text = self._tasks.get(name)
         if text is None:
             return None
-        view = expand(text, name=name, namespace=self._namespace)
+        view = expand(text, name=name, namespace=self._namespace, queue=self.queue)
         self._remember(name, view)
         return view
 

@@ -149,22 +149,33 @@ class Kube:
 
     def list_pages(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
                    label_selector: str = "", field_selector: str = "", limit: int = _PAGE,
-                   timeout: float = 30, start: str = "") -> Iterator[JSON]:
+                   timeout: float = 30, start: str = "", stream: bool = False) -> Iterator[JSON]:
         """A LIST in pages of at most `limit` objects (`limit`/`continue`), all from one snapshot:
         the server never builds, and we never hold, one answer for a whole large queue. A
         snapshot compacted mid-way raises Gone, whose `resume` lists the rest when passed as
-        `start` (a continue token to begin from)."""
+        `start` (a continue token to begin from). With `stream`, each page's `items` is an
+        iterator that decodes them one at a time (`decode.loads_page`): the caller iterates it to
+        its end before it asks for the next page."""
         ns = None if all_namespaces else (namespace or self.namespace)
         query: dict[str, Any] = {**_selectors(label_selector, field_selector), "limit": limit}
         if start:
             query["continue"] = start
         while True:
-            page = self.request("GET", res.path(ns), query=query, timeout=timeout)
+            page = self._page(res.path(ns), query, timeout) if stream else \
+                self.request("GET", res.path(ns), query=query, timeout=timeout)
             yield page
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return
             query["continue"] = token
+
+    def _page(self, path: str, query: dict[str, Any], timeout: float) -> JSON:
+        resp = self._send("GET", path, query=query, body=None, content_type="application/json", timeout=timeout)
+        try:
+            data = resp.data or b"{}"
+        finally:
+            resp.release_conn()
+        return decode.loads_page(data)
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:
         return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT, timeout=timeout)

@@ -113,7 +113,7 @@ class Reflector:
                 for page in self.kube.list_pages(self.resource, namespace=self.namespace,
                                                  all_namespaces=self.namespace is None, limit=self.page_size,
                                                  label_selector=self.label_selector,
-                                                 field_selector=self.field_selector, start=start):
+                                                 field_selector=self.field_selector, start=start, stream=True):
                     for obj in page.get("items", []):
                         name = self._name(obj)
                         if seen is not None:

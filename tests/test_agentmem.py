@@ -1,0 +1,14 @@
+"""The agent memory probe (`python -m tasklease_dev.agentmem`) feeds a QueueView what a list brings."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasklease_dev import agentmem
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_probe_lists_every_task_through_the_watch_and_each_is_a_candidate() -> None:
+    got = agentmem._fill(1_234, top=0)  # two full pages and a part of one
+    assert got["tasks"] == got["claimable"] == 1_234 and got["hwm_mb"] >= got["rss_after_mb"] > 0
