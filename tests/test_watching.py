@@ -4,6 +4,7 @@ whose version the server no longer keeps (410 Gone) lists again."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -172,3 +173,48 @@ def test_a_list_that_outlives_its_snapshot_goes_on_and_its_watch_brings_what_cha
     assert set(reflector.store) == {"a", "bb", "c", "d", "e", "f"}
     assert holders["a"] == "changed" and holders["b"] == "(deleted)"
     assert reflector.error is None
+
+
+def test_a_streaming_list_misses_nothing_and_its_response_goes_on_as_the_watch(kube: Kube) -> None:
+    """`watch_list=True`: the first list arrives as a watch's initial events, from the API
+    server's watch cache; the same response goes on as the watch."""
+    for i in range(25):
+        kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                             "metadata": {"name": f"s-{i:02d}", "labels": {"test": "stream"}}, "spec": {}})
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def listener(kind: str, obj: JSON) -> None:
+        with lock:
+            seen.append(f"{kind} {obj['metadata']['name']}")
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=listener, label_selector="test=stream",
+                          page_size=10, keep_objects=False, watch_list=True)
+    reflector.start()
+    assert reflector.synced.wait(30)
+    assert reflector.watch_list and reflector.lists == 1 and reflector.pages == 3  # 10, 10, and the last 5
+    assert sorted(seen) == sorted(f"ADDED s-{i:02d}" for i in range(25))
+    kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                         "metadata": {"name": "s-late", "labels": {"test": "stream"}}, "spec": {}})
+    kube.delete(LEASES, "s-00")
+    wait_for(lambda: "DELETED s-00" in seen and "ADDED s-late" in seen, message="the changes after the list")
+    assert reflector.watches == 1  # in the stream that listed
+    reflector.stop()
+    assert set(reflector.store) == {f"s-{i:02d}" for i in range(1, 25)} | {"s-late"}
+
+
+def test_a_server_that_refuses_streaming_lists_gets_a_paginated_list(kube: Kube) -> None:
+    kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                         "metadata": {"name": "r-0", "labels": {"test": "refused"}}, "spec": {}})
+    watch = kube.watch
+
+    def refusing(*args: object, initial_events: bool = False, **kwargs: object) -> Iterator[JSON]:
+        if initial_events:  # as a server without the WatchList feature answers
+            raise errors.Invalid("sendInitialEvents is forbidden for watch unless WatchList is enabled")
+        return watch(*args, **kwargs)  # type: ignore[arg-type]
+    kube.watch = refusing  # type: ignore[method-assign]
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=lambda kind, obj: None,
+                          label_selector="test=refused", watch_list=True)
+    reflector.start()
+    assert reflector.synced.wait(30)
+    reflector.stop()
+    assert not reflector.watch_list and reflector.lists == 1 and set(reflector.store) == {"r-0"}

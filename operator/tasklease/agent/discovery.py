@@ -121,7 +121,7 @@ class QueueView:
         self.join_listeners: list[Callable[[str], None]] = []  # told of each member that joins
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
-                      listener=self._on_task, keep_objects=False, known=self._tasks.keys),
+                      listener=self._on_task, keep_objects=False, known=self._tasks.keys, watch_list=True),
             Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
                       listener=self._on_lease, keep_objects=False),
             Reflector(kube, LEASES, namespace=namespace, label_selector=members.selector(queue),

@@ -26,6 +26,7 @@ JSON = dict[str, Any]
 _STRICT = {"fieldValidation": "Strict"}
 # Bookmarks arrive about once a minute: a stream silent for longer than this is dead.
 _WATCH_READ_TIMEOUT_S = 90
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"  # the annotation of the bookmark that ends a streaming list
 _PAGE = 500  # objects per LIST page
 # How the API server words a refusal by a ValidatingAdmissionPolicy or an admission webhook.
 _ADMISSION_DENIED = "denied request"
@@ -198,10 +199,16 @@ class Kube:
         self.request("DELETE", res.path(namespace or self.namespace, name), body=body)
 
     def watch(self, res: Resource, *, namespace: str | None, resource_version: str,
-              label_selector: str = "", field_selector: str = "", timeout_s: int = 300) -> Iterator[JSON]:
-        """Stream watch events from `resource_version` until the server closes the stream."""
+              label_selector: str = "", field_selector: str = "", timeout_s: int = 300,
+              initial_events: bool = False) -> Iterator[JSON]:
+        """Stream watch events from `resource_version` until the server closes the stream. With
+        `initial_events`, the stream starts with an ADDED event for every selected object as of
+        a version not older than `resource_version` ("0": any the server's watch cache has),
+        then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`)."""
         query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
+        if initial_events:
+            query.update(sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
         resp = self._send("GET", res.path(namespace), query=query, body=None, content_type="application/json",
                           timeout=(10, _WATCH_READ_TIMEOUT_S))
         buffer = b""

@@ -7,6 +7,12 @@ it lists again and reports what disappeared meanwhile as deletions. Lists are pa
 its snapshot goes on at the server's current version (see `_relist`). Failures are retried
 with capped exponential backoff (`api.retry.Backoff`); only a 410 relists, and a permanent
 error (no rights, no CRD) stops the thread with `error` set, logged once.
+
+`watch_list=True` lists as a streaming list instead (`sendInitialEvents`, on by default since
+Kubernetes 1.32): the selected objects arrive as the first events of a watch, served from
+the API server's watch cache in one response, and the watch goes on in it. A paginated list
+is a request per page, each read from etcd when the cache cannot serve it; many agents
+listing a deep queue at once make thousands. A server that refuses it gets a paginated list.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable, Collection
 from tasklease.api import errors
 from tasklease.api.retry import Backoff, transient
 from tasklease.kube import JSON, Kube, Resource
+from tasklease.kube.client import INITIAL_EVENTS_END
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +41,13 @@ class Reflector:
     object's name: the store then stays empty, and a deletion found by a relist carries the
     name alone. `namespace=None` watches every namespace; the store is
     then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
-    caller that has just listed (no first list; `synced` waits for a relist)."""
+    caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
+    as a streaming list (see the module), `pages` counting every `page_size` objects."""
 
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
                  keep_objects: bool = True, known: Callable[[], Collection[str]] | None = None,
-                 page_size: int = 500, since: str = "") -> None:
+                 page_size: int = 500, since: str = "", watch_list: bool = False) -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -50,6 +58,7 @@ class Reflector:
         self.keep_objects = keep_objects
         self.known = known
         self.page_size = page_size
+        self.watch_list = watch_list
         self.store: dict[str, JSON | tuple[str, str]] = {}
         self.synced = threading.Event()
         self.error: Exception | None = None  # the last failure, until the next success
@@ -76,13 +85,21 @@ class Reflector:
         backoff = Backoff(base_s=0.5, cap_s=30.0)
         while not self._stop.is_set():
             try:
-                if not self._rv:
-                    self._relist()
-                self._watch()
+                if not self._rv and self.watch_list:
+                    self._stream()
+                else:
+                    if not self._rv:
+                        self._relist()
+                    self._watch()
                 backoff.reset()  # a stream that ended normally: resume at once
             except errors.Gone:
                 self._rv = ""
             except errors.TaskleaseError as exc:
+                if self.watch_list and isinstance(exc, errors.Invalid):
+                    log.info("the API server does not stream lists of %s (%s); listing in pages",
+                             self.resource.plural, exc)
+                    self.watch_list = False
+                    continue
                 self.error = exc
                 if not transient(exc):
                     log.error("watch of %s stopped: %s", self.resource.plural, exc)
@@ -136,6 +153,42 @@ class Reflector:
                          self.resource.plural, self.pages)
                 self.resumed += 1
                 start = exc.resume
+        self._listed(seen, since)
+
+    def _stream(self) -> None:
+        """A streaming list, then the watch goes on in the same response. Until the bookmark
+        that ends the list, a broken stream is a list to start again (`_rv` stays empty)."""
+        before = self.known() if self.known is not None else self.store
+        seen: set[str] | None = set() if before else None
+        listed = 0
+        self.watches += 1
+        for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
+                                     label_selector=self.label_selector, field_selector=self.field_selector,
+                                     timeout_s=self.watch_timeout_s, initial_events=True):
+            if self._stop.is_set():
+                return
+            kind, obj = event["type"], event["object"]
+            if self._rv or kind == "ERROR":
+                self._event(kind, obj)
+            elif kind == "BOOKMARK":
+                if (obj["metadata"].get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
+                    self.pages += 1  # the last, part of a page
+                    self._listed(seen, obj["metadata"]["resourceVersion"])
+            else:
+                name = self._name(obj)
+                if seen is not None:
+                    seen.add(name)
+                self._keep(name, obj)
+                self._deliver("ADDED", obj)
+                listed += 1
+                if listed % self.page_size == 0:
+                    self.pages += 1
+        if not self._rv and not self._stop.is_set():
+            raise errors.Invalid(f"the watch of {self.resource.plural} ended before its initial events did")
+
+    def _listed(self, seen: set[str] | None, version: str) -> None:
+        """A first list has ended at `version`: what was there before and is not in it was
+        deleted meanwhile."""
         self.lists += 1
         if seen is not None and self.known is not None:
             for name in [n for n in self.known() if n not in seen]:
@@ -143,7 +196,7 @@ class Reflector:
         elif seen is not None:
             for name in set(self.store) - seen:
                 self._deliver("DELETED", self._stored(name, self.store.pop(name)))
-        self._rv = since
+        self._rv = version
         self.error = None
         self.synced.set()
 
@@ -154,20 +207,22 @@ class Reflector:
                                      timeout_s=self.watch_timeout_s):
             if self._stop.is_set():
                 return
-            kind, obj = event["type"], event["object"]
-            if kind == "ERROR":
-                if obj.get("code") == 410:
-                    raise errors.Gone(obj.get("message", "too old resource version"))
-                raise errors.ServerError(obj.get("message", "watch error"))
-            self._rv = obj["metadata"]["resourceVersion"]
-            if kind == "BOOKMARK":
-                continue
-            name = self._name(obj)
-            if kind == "DELETED":
-                self.store.pop(name, None)
-            else:
-                self._keep(name, obj)
-            self._deliver(kind, obj)
+            self._event(event["type"], event["object"])
+
+    def _event(self, kind: str, obj: JSON) -> None:
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise errors.Gone(obj.get("message", "too old resource version"))
+            raise errors.ServerError(obj.get("message", "watch error"))
+        self._rv = obj["metadata"]["resourceVersion"]
+        if kind == "BOOKMARK":
+            return
+        name = self._name(obj)
+        if kind == "DELETED":
+            self.store.pop(name, None)
+        else:
+            self._keep(name, obj)
+        self._deliver(kind, obj)
 
     def _name(self, obj: JSON) -> str:
         meta = obj["metadata"]
