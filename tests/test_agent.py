@@ -319,20 +319,21 @@ def test_an_ending_whose_answer_is_lost_is_retried_and_counts_once(kube: Kube) -
 
 
 def _hold_the_task_list(kube: Kube, queue: str) -> tuple[threading.Event, list[int]]:
-    """The agent's first list of `queue`'s Tasks waits for the event returned; the other
-    Task LISTs it makes (its reads of the best tasks before that list ends) are counted."""
+    """The agent's first list of `queue`'s Tasks (a streaming list) waits for the event
+    returned; the Task LISTs it makes (its reads of the best tasks before that list ends) are
+    counted."""
     release, reads = threading.Event(), [0]
-    list_pages, first_page = kube.list_pages, kube.list
+    watch, first_page = kube.watch, kube.list
 
     def held(res: Any, **kwargs: Any) -> Iterator[JSON]:
-        if res is TASKS and kwargs.get("field_selector") == task_selector(queue):
+        if res is TASKS and kwargs.get("field_selector") == task_selector(queue) and kwargs.get("initial_events"):
             assert release.wait(60), "the test never released the list"
-        yield from list_pages(res, **kwargs)
+        yield from watch(res, **kwargs)
 
     def counted(res: Any, **kwargs: Any) -> JSON:
         reads[0] += res is TASKS
         return first_page(res, **kwargs)
-    kube.list_pages = held  # type: ignore[method-assign]
+    kube.watch = held  # type: ignore[method-assign]
     kube.list = counted  # type: ignore[method-assign]
     return release, reads
 

@@ -61,7 +61,8 @@ def task_json(i: int, start: datetime) -> dict[str, Any]:
 
 
 class PagedKube:
-    """The Kube a QueueView needs for its first list: pages of Tasks, decoded from bytes."""
+    """The Kube a QueueView needs for a paginated first list: pages of Tasks, decoded from bytes (the
+    streaming list an agent makes decodes one Task at a time, as its pages do)."""
 
     namespace = NAMESPACE
 
