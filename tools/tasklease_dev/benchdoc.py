@@ -26,8 +26,10 @@ _HEAD = """# Benchmarks
 
 `make bench` measures tasklease beside floors and peers in the same run, on a control plane
 of its own ([development.md](development.md#benchmarks-make-bench)), and writes a result file
-`bench/results/<date>-<commit>.json`. This page shows the newest file in full and one line for
-each older one. Every figure is a ratio or a time within one run on one machine: compare runs
+`bench/results/<date>-<commit>.json`. This page shows every target as the newest file that
+measured it has it (a run of some sections only, `--only`, leaves the others to older
+files: the table names the file of each), the newest file in full, and one line for each
+older one. Every figure is a ratio or a time within one run on one machine: compare runs
 on the same machine only. A quick run (`BENCH_QUICK=1`) measures smaller sizes: its targets at
 the full sizes show as not run.
 """
@@ -62,12 +64,15 @@ def render(results: Loaded) -> str:
                   "make generate       # renders this page from bench/results/", "```", ""]
         return "\n".join(lines)
     name, latest = results[0]
-    lines += [f"## Latest: {name}", "", _about(latest) + ".", "",
-              "| figure | target | measured | |", "|---|---|---|---|"]
+    lines += ["## Every target, newest figure", "", "| figure | target | measured | | result file |",
+              "|---|---|---|---|---|"]
     for target in TARGETS:
-        said = verdict(target, latest.get(target.key))
-        lines.append(f"| {target.figure} | {target.text} | {shown(latest.get(target.key))} | "
-                     f"{'**not met**' if said == 'NOT met' else said} |")
+        source, value = next(((n, res[target.key]) for n, res in results if res.get(target.key) is not None),
+                             ("", None))
+        said = verdict(target, value)
+        lines.append(f"| {target.figure} | {target.text} | {shown(value)} | "
+                     f"{'**not met**' if said == 'NOT met' else said} | {source.removesuffix('.json')} |")
+    lines += ["", f"## Latest: {name}", "", _about(latest) + "."]
     pair_keys = sorted(key for key in latest if key.endswith("_pairs"))
     if pair_keys:
         lines += ["", "Every pair's ratio (the order alternates within a run); the figure above is their median:", "",
