@@ -18,22 +18,33 @@ from tasklease.kube.watching import Reflector
 PODTEMPLATES = Resource("", "v1", "podtemplates")
 
 
+def lease(name: str, label: str) -> JSON:
+    """A Lease body labelled `test=<label>`, the selector each test watches."""
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "labels": {"test": label}}, "spec": {}}
+
+
+class Seen(list[str]):
+    """A listener that records each event as "KIND name" (watch threads append, the test reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, obj: JSON) -> None:
+        with self._lock:
+            self.append(f"{kind} {obj['metadata']['name']}")
+
+
 def test_a_watch_that_keeps_ending_resumes_from_its_last_version_without_missing_anything(kube: Kube) -> None:
-    seen: list[str] = []
-    lock = threading.Lock()
-
-    def listener(kind: str, obj: JSON) -> None:
-        with lock:
-            seen.append(f"{kind} {obj['metadata']['name']}")
-
+    seen = Seen()
     # The server ends this watch every second: it is restarted many times while we write.
-    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=listener, label_selector="test=resume",
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=seen, label_selector="test=resume",
                           watch_timeout_s=1)
     reflector.start()
     assert reflector.synced.wait(30)
     for i in range(40):
-        kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                             "metadata": {"name": f"l-{i:02d}", "labels": {"test": "resume"}}, "spec": {}})
+        kube.create(LEASES, lease(f"l-{i:02d}", "resume"))
         if i % 10 == 9:  # let the stream end and a new watch start between batches
             started = reflector.watches
             wait_for(lambda started=started: reflector.watches > started, message="the watch to be restarted")
@@ -46,13 +57,12 @@ def test_a_watch_that_keeps_ending_resumes_from_its_last_version_without_missing
 
 def test_the_initial_list_comes_in_pages_and_misses_nothing(kube: Kube) -> None:
     for i in range(25):
-        kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                             "metadata": {"name": f"p-{i:02d}", "labels": {"test": "pages"}}, "spec": {}})
+        kube.create(LEASES, lease(f"p-{i:02d}", "pages"))
     pages = list(kube.list_pages(LEASES, label_selector="test=pages", limit=10))
     assert [len(p["items"]) for p in pages] == [10, 10, 5]
-    seen: list[str] = []
-    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=lambda kind, obj: seen.append(
-        f"{kind} {obj['metadata']['name']}"), label_selector="test=pages", page_size=10, keep_objects=False)
+    seen = Seen()
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=seen, label_selector="test=pages",
+                          page_size=10, keep_objects=False)
     reflector.start()
     assert reflector.synced.wait(30)
     reflector.stop()
@@ -126,12 +136,8 @@ def test_a_list_that_outlives_its_snapshot_goes_on_and_its_watch_brings_what_cha
     if cluster.etcd_port is None:
         pytest.skip("needs the local control plane's etcd")
 
-    def lease(name: str, holder: str = "") -> JSON:
-        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": name, "labels": {"test": "outlive"}}, "spec": {"holderIdentity": holder}}
-
     for name in ("a", "b", "c", "d", "e", "f"):
-        kube.create(LEASES, lease(name))
+        kube.create(LEASES, lease(name, "outlive"))
     first_page = next(kube.list_pages(LEASES, label_selector="test=outlive", limit=2))
     holders: dict[str, str] = {}
     held, go_on = threading.Event(), threading.Event()
@@ -151,7 +157,7 @@ def test_a_list_that_outlives_its_snapshot_goes_on_and_its_watch_brings_what_cha
         # Meanwhile, among what was listed (a, b) and before what was not (c...):
         kube.merge_patch(LEASES, "a", {"spec": {"holderIdentity": "changed"}})
         kube.delete(LEASES, "b")
-        kube.create(LEASES, lease("bb"))
+        kube.create(LEASES, lease("bb", "outlive"))
         compact_etcd(cluster.etcd_port)
 
         def expired() -> bool:
@@ -179,22 +185,15 @@ def test_a_streaming_list_misses_nothing_and_its_response_goes_on_as_the_watch(k
     """`watch_list=True`: the first list arrives as a watch's initial events, from the API
     server's watch cache; the same response goes on as the watch."""
     for i in range(25):
-        kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                             "metadata": {"name": f"s-{i:02d}", "labels": {"test": "stream"}}, "spec": {}})
-    seen: list[str] = []
-    lock = threading.Lock()
-
-    def listener(kind: str, obj: JSON) -> None:
-        with lock:
-            seen.append(f"{kind} {obj['metadata']['name']}")
-    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=listener, label_selector="test=stream",
+        kube.create(LEASES, lease(f"s-{i:02d}", "stream"))
+    seen = Seen()
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=seen, label_selector="test=stream",
                           page_size=10, keep_objects=False, watch_list=True)
     reflector.start()
     assert reflector.synced.wait(30)
     assert reflector.watch_list and reflector.lists == 1 and reflector.pages == 3  # 10, 10, and the last 5
     assert sorted(seen) == sorted(f"ADDED s-{i:02d}" for i in range(25))
-    kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                         "metadata": {"name": "s-late", "labels": {"test": "stream"}}, "spec": {}})
+    kube.create(LEASES, lease("s-late", "stream"))
     kube.delete(LEASES, "s-00")
     wait_for(lambda: "DELETED s-00" in seen and "ADDED s-late" in seen, message="the changes after the list")
     assert reflector.watches == 1  # in the stream that listed
@@ -203,8 +202,7 @@ def test_a_streaming_list_misses_nothing_and_its_response_goes_on_as_the_watch(k
 
 
 def test_a_server_that_refuses_streaming_lists_gets_a_paginated_list(kube: Kube) -> None:
-    kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                         "metadata": {"name": "r-0", "labels": {"test": "refused"}}, "spec": {}})
+    kube.create(LEASES, lease("r-0", "refused"))
     watch = kube.watch
 
     def refusing(*args: object, initial_events: bool = False, **kwargs: object) -> Iterator[JSON]:
