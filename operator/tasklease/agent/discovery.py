@@ -55,6 +55,12 @@ def task_selector(queue: str) -> str:
     return ",".join([f"spec.queue={queue}", *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
 
 
+def unheld_selector(queue: str) -> str:
+    """`task_selector`, without the tasks projected Running (held; one freed a moment ago is
+    found by a later look): what a claim that keeps no index reads."""
+    return f"{task_selector(queue)},status.phase!={models.Phase.RUNNING.value}"
+
+
 def lease_selector(queue: str) -> str:
     """Free Leases only: a Lease that stops matching (claimed, closed, deleted) arrives as
     DELETED, with its previous content; for an agent all three mean "not claimable"."""

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from tasklease.agent.cancel import Followers
 from tasklease.agent.claimed import ClaimedTask, Observer, Renewals
-from tasklease.agent.discovery import Candidate, QueueView, task_selector
+from tasklease.agent.discovery import Candidate, QueueView, unheld_selector
 from tasklease.agent.division import Division, Owner, weight
 from tasklease.agent.gate import Gates, admit_once
 from tasklease.agent.identity import Identity, container_of, instance_gone
@@ -38,7 +38,7 @@ from tasklease.agent.membership import Membership, Writes
 from tasklease.agent.ranked import best_first
 from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
-from tasklease.api import errors, models
+from tasklease.api import errors
 from tasklease.kube import LEASES, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record, slots
 from tasklease.protocol.members import MemberLease
@@ -226,9 +226,7 @@ class Agent:
         becomes due (None: none is waiting for a time)."""
         soonest: datetime | None = None
         now = self.kube.now()
-        # Not projected Running: a task freed a moment ago is found by the next claim.
-        selector = f"{task_selector(queue)},status.phase!={models.Phase.RUNNING.value}"
-        for obj in best_first(self.kube, namespace=self.namespace, field_selector=selector,
+        for obj in best_first(self.kube, namespace=self.namespace, field_selector=unheld_selector(queue),
                               page=self.settings.cli_page):
             task = TaskView.of(obj)
             rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
@@ -410,12 +408,11 @@ class Agent:
         `best_of` of one band may be claimed, or `early_reads` tasks: a band read that far
         without one may have more below, which only the index will tell."""
         now = self.kube.now()
-        # Not projected Running: held (a task freed a moment ago is found by a later look).
-        selector = f"{task_selector(view.queue)},status.phase!={models.Phase.RUNNING.value}"
         tasks: list[TaskView] = []
         band: int | None = None
         try:
-            for read, obj in enumerate(best_first(self.kube, namespace=self.namespace, field_selector=selector,
+            for read, obj in enumerate(best_first(self.kube, namespace=self.namespace,
+                                                  field_selector=unheld_selector(view.queue),
                                                   page=self.settings.early_reads)):
                 task = TaskView.of(obj)
                 if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
