@@ -11,7 +11,7 @@ from tasklease.agent.producer import Producer
 from tasklease.agent.ranked import LABEL_RANK, rank
 from tasklease.api import errors, models
 from tasklease.api.timestamps import format_time, now_utc
-from tasklease.kube import TASKS, Kube
+from tasklease.kube import LEASES, TASKS, Kube
 
 
 def _agent(kube: Kube) -> Agent:
@@ -108,4 +108,28 @@ def test_every_claim_of_a_mixed_queue_takes_the_highest_priority_left(kube: Kube
     assert got == sorted(priorities.values(), reverse=True), got
     with pytest.raises(errors.NothingToClaim):  # none was claimed twice
         agent.claim_once("mixed")
+    agent.close()
+
+
+def test_a_lease_rewritten_but_left_free_between_the_read_and_the_claim_is_still_claimed(
+        kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claim's conditional write loses to a write that is not a claim (the operator
+    correcting a failed attempt's backoff end): the one-shot claim reads the Lease again and
+    claims it, instead of answering "nothing claimable"."""
+    Producer(kube).submit("moved", models.TaskSpec.model_validate(
+        {"queue": "moved", "maxAttempts": 3, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}))
+    agent = _agent(kube)
+    agent.claim_once("moved").fail("first attempt")
+    real_patch = kube.merge_patch
+    moved: list[str] = []
+
+    def patch_after_a_rewrite(res, name, patch, **kw):  # type: ignore[no-untyped-def]
+        if res == LEASES and not moved:  # the claim's write: another writer goes first
+            moved.append(real_patch(LEASES, name, {"metadata": {"annotations": {"example.com/moved": "1"}}},
+                                    namespace=kw.get("namespace"))["metadata"]["resourceVersion"])
+        return real_patch(res, name, patch, **kw)
+    monkeypatch.setattr(kube, "merge_patch", patch_after_a_rewrite)
+    task = agent.claim_once("moved")
+    assert moved, "the claim wrote the Lease without a patch"
+    assert (task.name, task.epoch) == ("moved", 2)
     agent.close()

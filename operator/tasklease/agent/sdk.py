@@ -47,6 +47,11 @@ __all__ = ["Agent", "AgentSettings", "ClaimedTask", "Identity", "instance_gone"]
 
 log = logging.getLogger(__name__)
 
+# A one-shot claim's writes of one task: a create that finds a Lease, then a claim of it, then one
+# more after a write that left it free (the operator correcting a backoff end). Bounded: a
+# writer rewriting it without end only moves the claim to the next task.
+_CLAIM_TRIES = 3
+
 
 class Agent:
     """Claims tasks for one identity. Thread-safe; one QueueView (three watches) per queue, and a
@@ -230,7 +235,7 @@ class Agent:
                               page=self.settings.cli_page):
             task = TaskView.of(obj)
             rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
-            for _ in range(2):
+            for _ in range(_CLAIM_TRIES):
                 try:
                     held = self.protocol.claim(task, rec, self.identity.holder)
                 except errors.NotClaimable:
@@ -242,9 +247,9 @@ class Agent:
                 except errors.Refused:
                     break
                 except errors.Conflict:
-                    if rec is not None:
-                        break  # another agent won: the next task
-                    rec = self.protocol.read(task.namespace, task.name)  # it had a Lease after all
+                    # It had a Lease after all, or the Lease moved: another agent won (read
+                    # held, not claimable: the next task), or the operator wrote it (free still).
+                    rec = self.protocol.read(task.namespace, task.name)
                     if rec is None:
                         break
                     continue
