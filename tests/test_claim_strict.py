@@ -133,3 +133,19 @@ def test_a_lease_rewritten_but_left_free_between_the_read_and_the_claim_is_still
     assert moved, "the claim wrote the Lease without a patch"
     assert (task.name, task.epoch) == ("moved", 2)
     agent.close()
+
+
+def test_a_first_page_of_tasks_outside_the_default_band_hides_no_default_task(kube: Kube) -> None:
+    """Every task outside the default priority's band fits one page and fills the first page:
+    the default band's tasks, all after that page, are still read (here the others are not yet
+    due, so one of the default band is the one to claim)."""
+    producer = Producer(kube)
+    agent = _agent(kube)
+    later = format_time(now_utc() + timedelta(hours=1))
+    for i in range(agent.settings.cli_page):
+        producer.submit(f"a-later-{i:02d}", models.TaskSpec.model_validate(
+            {"queue": "hidden", "priority": 5, "notBefore": later}))
+    for i in range(3):
+        producer.submit(f"z-now-{i}", models.TaskSpec(queue="hidden"))
+    assert agent.claim_once("hidden").name.startswith("z-now-")
+    agent.close()

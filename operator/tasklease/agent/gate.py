@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -223,17 +224,25 @@ class Gates:
             return gate
 
 
-def admit_once(kube: Kube, *, namespace: str, queue: str, holder: str) -> Slot | None:
-    """For a one-shot claim (the CLI): the slot to claim under (None: no limit). NothingToClaim
-    when the queue is paused or runs its maxRunning tasks. The slot goes back with `slots.release`
-    when nothing was claimed; else the operator frees it once the task has ended."""
+def queue_controls(kube: Kube, *, namespace: str, queue: str) -> TaskQueueSpec | None:
+    """The controls the queue's TaskQueue sets (None: no TaskQueue, no such CRD, or a spec
+    that is not one: no control)."""
     try:
         obj = kube.get_or_none(TASKQUEUES, queue, namespace=namespace)
     except errors.CRDMissing:
         return None
     try:
-        spec = TaskQueueSpec.model_validate((obj or {}).get("spec") or {})
+        return TaskQueueSpec.model_validate((obj or {}).get("spec") or {})
     except ValidationError:
+        return None
+
+
+def admit_once(kube: Kube, spec: TaskQueueSpec | None, *, namespace: str, queue: str, holder: str) -> Slot | None:
+    """For a one-shot claim (the CLI), under the queue's controls (`queue_controls`): the slot
+    to claim under (None: no limit). NothingToClaim when the queue is paused or runs its
+    maxRunning tasks. The slot goes back with `slots.release` when nothing was claimed; else
+    the operator frees it once the task has ended."""
+    if spec is None:
         return None
     if spec.paused:
         raise errors.NothingToClaim(f"queue {queue!r} is paused")
@@ -252,3 +261,28 @@ def admit_once(kube: Kube, *, namespace: str, queue: str, holder: str) -> Slot |
     if slot is None:
         raise errors.NothingToClaim(f"queue {queue!r} runs its maxRunning ({spec.max_running}) tasks")
     return slot
+
+
+class OneShotAdmission:
+    """A one-shot claim's admission: the queue's controls as `controls` will read them (read
+    while the queue's tasks are), applied by the first call, before the first claim write;
+    later calls do nothing. `give_back` when nothing was claimed."""
+
+    def __init__(self, kube: Kube, controls: Future[TaskQueueSpec | None], *, namespace: str, queue: str,
+                 holder: str) -> None:
+        self.kube, self.controls = kube, controls
+        self.namespace, self.queue, self.holder = namespace, queue, holder
+        self.admitted = False
+        self.slot: Slot | None = None
+
+    def __call__(self) -> None:
+        if not self.admitted:
+            self.slot = admit_once(self.kube, self.controls.result(), namespace=self.namespace, queue=self.queue,
+                                   holder=self.holder)
+            self.admitted = True
+
+    def give_back(self) -> None:
+        if self.slot is not None:
+            slots.release(self.kube, self.slot)
+            self.slot = None
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from tasklease.api import models
@@ -25,6 +26,7 @@ _PRIORITY: Final = models.TaskSpec.model_json_schema(by_alias=True)["properties"
 OFFSET: Final = -int(_PRIORITY["minimum"])
 _CAP: Final = int(_PRIORITY["maximum"]) + OFFSET + 1  # above every rank
 _DEFAULT_PRIORITY: Final = int(_PRIORITY["default"])
+_DEFAULT_RANK: Final = _DEFAULT_PRIORITY + OFFSET
 
 
 def rank(priority: int) -> str:
@@ -54,33 +56,48 @@ def best_key(task: JSON) -> tuple[int, str, str]:
 def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) -> Iterator[JSON]:
     """The Tasks `field_selector` selects, highest priority first (strict across the queue),
     oldest first within what a page of a band shows; read lazily, band by band, a page at a
-    time. A caller that stops at the first task it can claim makes two LISTs: the first page,
-    and one page of every task outside that page's best band (no label, another rank), usually
-    short. Only when that is more than a page does it take two more, of the tasks that could
-    go first (no label, a higher rank). Those after the first page are served by the API
-    server's watch cache once it is at least as fresh as the first page (`_since`), so they
-    see every task the first page's snapshot holds: the order is strict over every task that
-    existed when the first LIST was answered."""
-    listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page)
+    time. A caller that stops at the first task it can claim makes two LISTs at once: the
+    first page, and one page of every task outside the default priority's band (no label,
+    another rank), usually short. Only when that is more than a page does it take one more,
+    of every task outside the first page's best band, and when that too is more than a page,
+    two more, of the tasks that could go first (no label, a higher rank). Those after the
+    first two are served by the API server's watch cache once it is at least as fresh as the
+    first page (`_since`), so they see every task the first page's snapshot holds: the order
+    is strict over every task that existed when the claim began."""
+    # Asked beside the first page, as most tasks have the default priority: the tasks outside its
+    # band. The API server scans the whole namespace for a selection that fills no page, so one
+    # scan finds what is outside a band (`!=` selects a task without the label too); a guess
+    # that is wrong fills its page at once.
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        guess = beside.submit(_since, kube, namespace=namespace, field_selector=field_selector,
+                              labels=f"{LABEL_RANK}!={_DEFAULT_RANK}", version="", limit=page)
+        listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page)
+        outside_default = guess.result()
     first = listing.get("items", [])
     if not first:
         return
     version = (listing.get("metadata") or {}).get("resourceVersion", "")
     since = functools.partial(_since, kube, namespace=namespace, field_selector=field_selector, version=version)
-    seen = max(_rank_of(task) for task in first)  # the bands up to this one are partly read
     pool = {task["metadata"]["name"]: task for task in first}
-    # The API server scans the whole namespace for a selection that fills no page, so one
-    # scan finds what is outside the band (`!=` selects a task without the label too).
-    others = since(labels=f"{LABEL_RANK}!={seen}", limit=page)
+    # The band read in part: the default one when every task outside it was read beside the
+    # first page, else the best of the first page (the bands below it are partly read too).
+    if not (outside_default.get("metadata") or {}).get("continue"):
+        seen = _DEFAULT_RANK
+        others = outside_default
+    else:
+        seen = max(_rank_of(task) for task in first)
+        others = outside_default if seen == _DEFAULT_RANK else since(labels=f"{LABEL_RANK}!={seen}", limit=page)
     pool.update((task["metadata"]["name"], task) for task in others.get("items", []))
     whole = not (others.get("metadata") or {}).get("continue")  # every task outside the band is read
     if not whole:  # many in other bands: only those that could go before this one
         higher = [f"{LABEL_RANK}>{seen}"] if seen < _CAP - 1 else []  # none above the highest priority
         for labels in (f"!{LABEL_RANK}", *higher):
             pool.update((task["metadata"]["name"], task) for task in since(labels=labels).get("items", []))
+    # The band read in part has more tasks than the pool holds when the first page had more after it.
+    unread = [seen] if (listing.get("metadata") or {}).get("continue") else []
     ceiling = _CAP  # the bands left are below this rank
     while True:
-        band = max((r for r in map(_rank_of, pool.values()) if r < ceiling), default=None)
+        band = max((r for r in (*map(_rank_of, pool.values()), *unread) if r < ceiling), default=None)
         if ceiling <= seen and not whole:  # labelled tasks below the first page's best band were not read
             labelled = _top(kube, namespace=namespace, field_selector=field_selector, page=page, below=ceiling)
             band = max((r for r in (band, labelled) if r is not None), default=None)

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from types import TracebackType
 from typing import Any
@@ -32,7 +33,7 @@ from tasklease.agent.cancel import Followers
 from tasklease.agent.claimed import ClaimedTask, Observer, Renewals
 from tasklease.agent.discovery import Candidate, QueueView, unheld_selector
 from tasklease.agent.division import Division, Owner, weight
-from tasklease.agent.gate import Gates, admit_once
+from tasklease.agent.gate import Gates, OneShotAdmission, queue_controls
 from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
 from tasklease.agent.ranked import best_first
@@ -40,7 +41,7 @@ from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
 from tasklease.api import errors
 from tasklease.kube import LEASES, Kube
-from tasklease.protocol import Held, Protocol, TaskView, members, record, slots
+from tasklease.protocol import Held, Protocol, TaskView, members, record
 from tasklease.protocol.members import MemberLease
 
 __all__ = ["Agent", "AgentSettings", "ClaimedTask", "Identity", "instance_gone"]
@@ -212,23 +213,25 @@ class Agent:
 
         A task due within what this process cannot yet tell of the server's clock (a new
         process has read few whole-second `Date`s) may be due already: one more look then."""
-        slot = admit_once(self.kube, namespace=self.namespace, queue=queue, holder=self.identity.holder)
-        found = self._claim_pass(queue, interrupt)
-        if isinstance(found, datetime):
-            low, high = self.kube.server_clock.offset()
-            wait = (found - self.kube.now()).total_seconds()
-            if wait <= (high - low).total_seconds():
-                time.sleep(max(wait, 0.0))
-                found = self._claim_pass(queue, interrupt)
+        with ThreadPoolExecutor(max_workers=1) as beside:  # the queue's controls, read while its tasks are
+            controls = beside.submit(queue_controls, self.kube, namespace=self.namespace, queue=queue)
+            admit = OneShotAdmission(self.kube, controls, namespace=self.namespace, queue=queue,
+                                     holder=self.identity.holder)
+            found = self._claim_pass(queue, interrupt, admit)
+            if isinstance(found, datetime):
+                low, high = self.kube.server_clock.offset()
+                wait = (found - self.kube.now()).total_seconds()
+                if wait <= (high - low).total_seconds():
+                    time.sleep(max(wait, 0.0))
+                    found = self._claim_pass(queue, interrupt, admit)
         if isinstance(found, ClaimedTask):
             return found
-        if slot is not None:
-            slots.release(self.kube, slot)
+        admit.give_back()
         raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
 
-    def _claim_pass(self, queue: str, interrupt: bool) -> ClaimedTask | datetime | None:
+    def _claim_pass(self, queue: str, interrupt: bool, admit: OneShotAdmission) -> ClaimedTask | datetime | None:
         """`claim_once`'s look: the task claimed, else the soonest time a task not yet due
-        becomes due (None: none is waiting for a time)."""
+        becomes due (None: none is waiting for a time). `admit` before each claim write."""
         soonest: datetime | None = None
         now = self.kube.now()
         for obj in best_first(self.kube, namespace=self.namespace, field_selector=unheld_selector(queue),
@@ -236,6 +239,7 @@ class Agent:
             task = TaskView.of(obj)
             rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
             for _ in range(_CLAIM_TRIES):
+                admit()
                 try:
                     held = self.protocol.claim(task, rec, self.identity.holder)
                 except errors.NotClaimable:
