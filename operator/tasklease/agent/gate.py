@@ -83,10 +83,11 @@ class QueueGate:
         self._queue_watch = Reflector(kube, TASKQUEUES, namespace=namespace, listener=self._on_queue,
                                       field_selector=f"metadata.name={queue}")
         self._slot_watch: Reflector | None = None  # from the first claim under maxRunning
+        self._waited = False
 
     def start(self) -> None:
+        """Its watch lists while the claim reads the queue; the first `admit` waits for the list."""
         self._queue_watch.start()
-        self._synced(self._queue_watch)
 
     def stop(self) -> None:
         self.trim()
@@ -113,6 +114,9 @@ class QueueGate:
         self._synced(self._slot_watch)
 
     def admit(self) -> Admission:
+        if not self._waited:  # once: a watch that does not list leaves claims ungated (`_synced`)
+            self._synced(self._queue_watch)
+            self._waited = True
         with self._lock:
             spec = self._spec
             if spec.paused:
@@ -195,6 +199,10 @@ class Gates:
         self.kube, self.namespace, self.holder = kube, namespace, holder
         self._lock = threading.Lock()
         self._gates: dict[str, QueueGate] = {}
+
+    def open(self, queue: str) -> None:
+        """Start the queue's gate (its watch lists meanwhile)."""
+        self._gate(queue)
 
     def admit(self, queue: str, *, wanted: bool) -> Admission:
         """Whether to try a claim now; `wanted`: there is something to claim (else spare slots go back)."""

@@ -159,6 +159,7 @@ class Agent:
         # The queue's Tasks are listed after the first look (`_early`): at a deep queue, agents
         # started together would otherwise all list at once before any claims.
         view = self._view(queue, tasks=False)
+        self._gates.open(queue)
         member = self._join(view)
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
