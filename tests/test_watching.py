@@ -11,7 +11,7 @@ import pytest
 from conftest import Cluster, wait_for
 from tasklease.api import errors
 from tasklease_dev.cluster import compact_etcd
-from tasklease.kube import LEASES, JSON, Kube, Resource
+from tasklease.kube import LEASES, JSON, Kube, Resource, client
 from tasklease.kube.watching import Reflector
 
 # Watched straight from etcd on the local control plane (no watch cache, see dev/cluster.py).
@@ -216,3 +216,14 @@ def test_a_server_that_refuses_streaming_lists_gets_a_paginated_list(kube: Kube)
     assert reflector.synced.wait(30)
     reflector.stop()
     assert not reflector.watch_list and reflector.lists == 1 and set(reflector.store) == {"r-0"}
+
+
+def test_a_watch_quiet_for_longer_than_the_read_timeout_ends_as_if_closed(
+        kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No event and no bookmark for the client's read timeout (an idle queue's TaskQueue): the
+    stream ends cleanly, to be resumed, instead of raising Unreachable (a warning each time)."""
+    monkeypatch.setattr(client, "_WATCH_READ_TIMEOUT_S", 1)
+    version = kube.list(LEASES, label_selector="test=quiet")["metadata"]["resourceVersion"]
+    events = list(kube.watch(LEASES, namespace=kube.namespace, resource_version=version,
+                             label_selector="test=quiet", timeout_s=60))
+    assert [event["type"] for event in events if event["type"] != "BOOKMARK"] == []

@@ -219,6 +219,12 @@ class Kube:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
                         yield decode.loads(line)
+        except urllib3.exceptions.ReadTimeoutError as exc:
+            if initial_events:  # a list cut short, not a quiet watch
+                raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
+            # Nothing, not even a bookmark, for the read timeout: it ends as if the server had
+            # closed it, and is resumed from the last version seen.
+            return
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
         finally:
