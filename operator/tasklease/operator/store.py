@@ -173,6 +173,17 @@ class Store:
         with self._lock:
             return list(self._tasks)
 
+    def task_names(self, namespace: str | None) -> list[str]:
+        """The Tasks held, named as a Reflector of `namespace` (None: all) names them: its
+        `known`, so that its store stays empty and a relist still reports what was deleted."""
+        with self._lock:
+            return _names(self._tasks, namespace)
+
+    def lease_names(self, namespace: str | None) -> list[str]:
+        """The Leases held, as `task_names` names the Tasks."""
+        with self._lock:
+            return _names(self._leases, namespace)
+
     def observed(self, key: Key, rec: LeaseRecord | None) -> decision.Observed:
         """What our clocks saw of `rec` (the Lease `entry` gave), for `decision`."""
         held = rec is not None and rec.state == record.HELD
@@ -316,6 +327,12 @@ def _skip(kind: str, obj: Any, exc: Exception) -> None:
     meta = meta if isinstance(meta, dict) else {}
     log.warning("skipping a %s that cannot be read (%s/%s): %r", kind, meta.get("namespace"), meta.get("name"), exc)
     metrics.MALFORMED.labels(kind, "unreadable").inc()
+
+
+def _names(held: dict[Key, Any], namespace: str | None) -> list[str]:
+    if namespace is not None:
+        return [name for ns, name in held if ns == namespace]
+    return [f"{ns}/{name}" for ns, name in held]
 
 
 def _key(obj: JSON) -> Key:
