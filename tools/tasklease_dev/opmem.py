@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -66,13 +68,22 @@ class _Kube:
         raise AssertionError(f"the probe's API server has no {name}: the reconciler left the happy path")
 
 
-def _lease(task: dict[str, Any], rec: Any, rv: str, created: str) -> dict[str, Any]:
+def _uid(i: int, kind: str) -> str:
+    """A random uid, as the API server makes them (they deflate no better than that), the same each time."""
+    return str(uuid.UUID(int=random.Random(f"{kind}{i}").getrandbits(128), version=4))
+
+
+def _task(i: int, start: datetime) -> dict[str, Any]:
+    task = task_json(i, start)
+    task["metadata"]["uid"] = _uid(i, "Task")
+    return task
+
+
+def _lease(i: int, rec: Any, rv: str, created: str) -> dict[str, Any]:
     """`rec` as the API server answers it: uid, resourceVersion, creationTimestamp added."""
     from tasklease.protocol import record
     body = record.encode(rec)
-    meta = body["metadata"]
-    meta.update(uid=task["metadata"]["uid"].replace("5eed", "1ea5", 1), resourceVersion=rv,
-                creationTimestamp=created)
+    body["metadata"].update(uid=_uid(i, "Lease"), resourceVersion=rv, creationTimestamp=created)
     return body
 
 
@@ -115,21 +126,21 @@ def _fill(tasks: int, top: int) -> dict[str, Any]:
         tracemalloc.start(3)
     names = []
     for i in range(tasks):
-        task = task_json(i, start)
+        task = _task(i, start)
         names.append(task["metadata"]["name"])
         task_watch._event("ADDED", task)
         reconcile(names[-1])
         echo(names[-1])
     for i in range(tasks):
-        task, name = task_json(i, start), names[i]
+        task, name = _task(i, start), names[i]
         view = TaskView.of(task)
         at = start + timedelta(seconds=60 + i / 100)
         holder = f"bench-{i % _HOLDERS}/{100_000 + i % _HOLDERS}"
         held = rules.claimed(view, None, holder, at)
-        lease_watch._event("ADDED", _lease(task, held, kube.next_rv(), created=at.strftime("%Y-%m-%dT%H:%M:%SZ")))
+        lease_watch._event("ADDED", _lease(i, held, kube.next_rv(), created=at.strftime("%Y-%m-%dT%H:%M:%SZ")))
         closed = rules.ended(held, outcome="Succeeded", now=at + timedelta(milliseconds=20), close="Succeeded",
                              reason="Completed", result="ok")
-        lease_watch._event("MODIFIED", _lease(task, closed, kube.next_rv(),
+        lease_watch._event("MODIFIED", _lease(i, closed, kube.next_rv(),
                                               created=at.strftime("%Y-%m-%dT%H:%M:%SZ")))
         reconcile(name)
         echo(name)
