@@ -235,3 +235,20 @@ def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_d
     watch._relist()
     assert seen == [("DELETED", {"metadata": {"name": "t", "namespace": "ns"}})]
     assert s.task(KEY) is None and s.task_names(None) == ["other/t"] and watch.store == {}
+
+
+@pytest.mark.parametrize("lease_first", [True, False], ids=["lease-listed-first", "task-first"])
+def test_a_task_and_its_lease_share_one_key_through_every_version(lease_first: bool) -> None:
+    s = store(Clock(1000.0))
+    if lease_first:  # as a new leader seeds: the Leases are listed before the Tasks
+        s.lease_event("ADDED", lease("4"))
+    s.task_event("ADDED", task("5"))
+    s.lease_event("MODIFIED", lease("6", holder="p/1", epoch=1))
+    entry, held = s.entry(KEY)
+    assert entry is not None and held is not None and entry.key is held.key == KEY
+    s.wrote_task(KEY, entry, task("7"))
+    s.remember(held.record(), record.decode(lease("8", epoch=1)))
+    s.task_event("MODIFIED", task("9", cancel=True))
+    later, kept = s.entry(KEY)
+    assert later is not None and kept is not None and later.key is kept.key is entry.key
+    assert s.task_keys()[0] is entry.key

@@ -100,6 +100,7 @@ class SlimTask:
     version: int  # metadata.resourceVersion (`version`)
     packed: bytes
     projected: tuple[str, str] | None = None  # (queue, phase) as last projected, for the gauges
+    key: tuple[str, str] | None = None  # (namespace, name): the store's one tuple for the task and its Lease
 
     def json(self) -> JSON:
         return _TASKS.unpack(self.packed)
@@ -135,6 +136,7 @@ class SlimLease:
     held_by_pod: str  # the holder's Pod while held, else ""
     resource_version: str
     packed: bytes
+    key: tuple[str, str] | None = None  # as `SlimTask.key`
 
     def record(self) -> LeaseRecord:
         return record.decode(_LEASES.unpack(self.packed))

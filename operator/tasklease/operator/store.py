@@ -107,7 +107,8 @@ class Store:
                 return key, False
             if held is not None:
                 entry.projected = held.projected
-            self._tasks[key] = entry
+            entry.key = self._shared(key)
+            self._tasks[entry.key] = entry
             where = (key[0], entry.queue)
             if where not in self._queues:
                 self._queues.add(where)
@@ -238,7 +239,7 @@ class Store:
         kept = slim(written)
         with self._lock:
             if self._tasks.get(key) is entry:
-                kept.projected = entry.projected
+                kept.projected, kept.key = entry.projected, entry.key
                 self._tasks[key] = kept
 
     def task_gone(self, key: Key, entry: SlimTask) -> None:
@@ -280,8 +281,18 @@ class Store:
 
     # -- under the lock --------------------------------------------------------------------
 
+    def _shared(self, key: Key) -> Key:
+        """The one (namespace, name) tuple held for `key`'s task and its Lease: a second
+        tuple, and a second copy of the name, would cost every task claimed once."""
+        for held in (self._tasks.get(key), self._leases.get(key)):
+            if held is not None and held.key is not None:
+                return held.key
+        return key
+
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
-        self._leases[key] = slim_lease(rec)
+        lease = slim_lease(rec)
+        lease.key = self._shared(key)
+        self._leases[lease.key] = lease
         before = self._sightings.get(key)
         if before is None or (before.epoch, before.state) != (rec.epoch, rec.state):
             if rec.state == record.CLOSED:
