@@ -1,15 +1,16 @@
-"""The operator's memory per task, in seconds, without an API server.
+"""The operator's memory per task, measured in seconds without an API server.
 
-`python -m tasklease_dev.opmem [--tasks N] [--top K]` prints, measured in a fresh process,
-what the operator holds for N Tasks that each went through what `make bench`'s scale case
-does to them: created (as the API server stores a bench task: managedFields, the rank label,
-the CRD's defaults) and projected Pending; then claimed by an agent (its Lease created held,
-as the SDK writes it), finished (the Lease closed Succeeded with a result and one attempt in
-its history) and projected Succeeded. Every event goes through the operator's own watch
-wiring (`controller._reflectors`: the Reflectors' stores, the reconciler's store, the
-pod-bound and TaskQueue listeners), and every reconcile is the reconciler's own, its status
-writes answered by a fake API server (`_Kube`) as a real one would (a new resourceVersion).
-Our own status writes come back through the Task watch, as they do.
+`python -m tasklease_dev.opmem [--tasks N] [--open] [--top K]` prints, measured in a fresh
+process, what the operator holds for N Tasks that each went through what `make bench`'s
+scale case does to them: created (as the API server stores a bench task: managedFields, the
+rank label, the CRD's defaults) and projected Pending; then claimed by an agent (its Lease
+created held, as the SDK writes it), finished (the Lease closed Succeeded with a result and
+one attempt in its history) and projected Succeeded (`--open`: never claimed, the first part
+alone). Every event goes through the operator's own watch wiring (`controller._reflectors`:
+the Reflectors, the reconciler's store, the pod-bound and TaskQueue listeners), and every
+reconcile is the reconciler's own, its status writes answered by a fake API server (`_Kube`)
+as a real one would (a new resourceVersion). Our own status writes come back through the
+Task watch, as they do.
 
 The figures: RSS and traced bytes before and after, per task, and `--top` allocation sites
 (tracemalloc, by file and line) of what is still held at the end.
@@ -87,7 +88,7 @@ def _lease(i: int, rec: Any, rv: str, created: str) -> dict[str, Any]:
     return body
 
 
-def _fill(tasks: int, top: int) -> dict[str, Any]:
+def _fill(tasks: int, top: int, *, claimed: bool = True) -> dict[str, Any]:
     """In this process: the operator's wiring fed `tasks` Tasks through their whole lifecycle."""
     import tracemalloc
 
@@ -131,7 +132,7 @@ def _fill(tasks: int, top: int) -> dict[str, Any]:
         task_watch._event("ADDED", task)
         reconcile(names[-1])
         echo(names[-1])
-    for i in range(tasks):
+    for i in range(tasks if claimed else 0):
         task, name = _task(i, start), names[i]
         view = TaskView.of(task)
         at = start + timedelta(seconds=60 + i / 100)
@@ -144,9 +145,9 @@ def _fill(tasks: int, top: int) -> dict[str, Any]:
                                               created=at.strftime("%Y-%m-%dT%H:%M:%SZ")))
         reconcile(name)
         echo(name)
-    succeeded = sum(1 for n in names if (e := reconciler.store.task((NAMESPACE, n))) is not None
-                    and e.projected is not None and e.projected[1] == "Succeeded")
-    out: dict[str, Any] = {"tasks": tasks, "succeeded": succeeded, "rss_before_mb": base,
+    phases = [e.projected[1] for n in names if (e := reconciler.store.task((NAMESPACE, n))) and e.projected]
+    out: dict[str, Any] = {"tasks": tasks, "succeeded": phases.count("Succeeded"), "pending": phases.count("Pending"),
+                           "rss_before_mb": base,
                            "rss_after_mb": _status_mb("VmRSS"), "hwm_mb": _status_mb("VmHWM"),
                            "cpu_s": time.process_time() - cpu}
     out["bytes_per_task"] = (out["rss_after_mb"] - base) * 2**20 / max(tasks, 1)
@@ -161,17 +162,20 @@ def _fill(tasks: int, top: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tasklease_dev.opmem", description=__doc__)
     parser.add_argument("--tasks", type=int, default=100_000, help="tasks, each claimed and finished (default 100,000)")
+    parser.add_argument("--open", action="store_true", help="tasks never claimed: created and projected Pending")
     parser.add_argument("--top", type=int, default=0, help="also trace allocations: the N largest sites")
     parser.add_argument("--fill", action="store_true", help=argparse.SUPPRESS)  # in the child
     args = parser.parse_args(argv)
     if args.fill:
-        print(json.dumps(_fill(args.tasks, args.top)))
+        print(json.dumps(_fill(args.tasks, args.top, claimed=not args.open)))
         return 0
     out = subprocess.run([sys.executable, "-m", "tasklease_dev.opmem", "--fill", "--tasks", str(args.tasks),
-                          "--top", str(args.top)], check=True, capture_output=True, text=True).stdout
+                          "--top", str(args.top), *(["--open"] if args.open else [])],
+                         check=True, capture_output=True, text=True).stdout
     got = json.loads(out.splitlines()[-1])
     per = got["bytes_per_task"]
-    print(f"operator holding {got['tasks']:,} finished tasks ({got['succeeded']:,} projected Succeeded): RSS "
+    held = f"{got['pending']:,} open" if args.open else f"{got['succeeded']:,} finished, projected Succeeded"
+    print(f"operator holding {got['tasks']:,} tasks ({held}): RSS "
           f"{got['rss_before_mb']:.1f} -> {got['rss_after_mb']:.1f} MB, {per:.0f} B/task "
           f"({per * 100_000 / 2**20:.0f} MB per 100,000), peak {got['hwm_mb']:.1f} MB, {got['cpu_s']:.1f} s CPU")
     for line in got.get("top", []):
