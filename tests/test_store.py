@@ -221,9 +221,11 @@ def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_d
     assert s.lease_names("ns") == ["t"] and s.lease_names(None) == ["ns/t"] and s.lease_names("other") == []
 
     class Empty:
-        """A namespace whose Tasks are all gone."""
+        """A namespace whose Tasks are all gone; one is created meanwhile, after the list's
+        snapshot, and the store learns of it from elsewhere (the leader's seeding list)."""
 
         def list_pages(self, res: Any, **_: Any) -> Any:
+            s.listed_task({**task("10"), "metadata": {**task("10")["metadata"], "name": "new"}})
             yield {"metadata": {"resourceVersion": "9"}, "items": []}
     seen: list[tuple[str, JSON]] = []
 
@@ -234,7 +236,7 @@ def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_d
                       known=functools.partial(s.task_names, "ns"))
     watch._relist()
     assert seen == [("DELETED", {"metadata": {"name": "t", "namespace": "ns"}})]
-    assert s.task(KEY) is None and s.task_names(None) == ["other/t"] and watch.store == {}
+    assert s.task(KEY) is None and s.task_names(None) == ["other/t", "ns/new"] and watch.store == {}
 
 
 @pytest.mark.parametrize("lease_first", [True, False], ids=["lease-listed-first", "task-first"])
