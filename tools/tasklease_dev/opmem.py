@@ -29,17 +29,10 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from tasklease_dev.agentmem import NAMESPACE, task_json
+from tasklease_dev.agentmem import NAMESPACE, allocations, print_allocations, task_json
+from tasklease_dev.bench.procs import status_mb
 
 _HOLDERS = 16  # agents, as the scale case starts
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 class _Kube:
@@ -122,7 +115,7 @@ def _fill(tasks: int, top: int, *, claimed: bool = True) -> dict[str, Any]:
         assert entry is not None
         task_watch._event("MODIFIED", entry.json())
 
-    base, cpu = _status_mb("VmRSS"), time.process_time()
+    base, cpu = status_mb("self", "VmRSS"), time.process_time()
     if top:
         tracemalloc.start(3)
     names = []
@@ -148,14 +141,11 @@ def _fill(tasks: int, top: int, *, claimed: bool = True) -> dict[str, Any]:
     phases = [e.projected[1] for n in names if (e := reconciler.store.task((NAMESPACE, n))) and e.projected]
     out: dict[str, Any] = {"tasks": tasks, "succeeded": phases.count("Succeeded"), "pending": phases.count("Pending"),
                            "rss_before_mb": base,
-                           "rss_after_mb": _status_mb("VmRSS"), "hwm_mb": _status_mb("VmHWM"),
+                           "rss_after_mb": status_mb("self", "VmRSS"), "hwm_mb": status_mb("self", "VmHWM"),
                            "cpu_s": time.process_time() - cpu}
     out["bytes_per_task"] = (out["rss_after_mb"] - base) * 2**20 / max(tasks, 1)
     if top:
-        snapshot = tracemalloc.take_snapshot()
-        traced = sum(s.size for s in snapshot.statistics("filename"))
-        out["top"] = [str(s) for s in snapshot.statistics("lineno")[:top]]
-        out["traced_mb"], out["traced_bytes_per_task"] = traced / 2**20, traced / max(tasks, 1)
+        out.update(allocations(top, tasks))
     return out
 
 
@@ -178,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"operator holding {got['tasks']:,} tasks ({held}): RSS "
           f"{got['rss_before_mb']:.1f} -> {got['rss_after_mb']:.1f} MB, {per:.0f} B/task "
           f"({per * 100_000 / 2**20:.0f} MB per 100,000), peak {got['hwm_mb']:.1f} MB, {got['cpu_s']:.1f} s CPU")
-    for line in got.get("top", []):
-        print("  " + line)
-    if "traced_mb" in got:
-        print(f"  traced at the end: {got['traced_mb']:.1f} MB, {got['traced_bytes_per_task']:.0f} B/task")
+    print_allocations(got)
     return 0
 
 
