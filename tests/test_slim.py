@@ -7,7 +7,11 @@ import pytest
 import json
 from datetime import UTC, datetime
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tasklease.api import models
+from tasklease.operator import projection
 from tasklease.operator.slim import slim, slim_lease
 from tasklease.protocol import LeaseRecord, record
 
@@ -60,3 +64,32 @@ def test_a_lease_decodes_to_the_same_record_with_its_uid() -> None:
     assert (kept.held_by_pod, kept.resource_version) == ("pod-1", "9")
     assert slim_lease(record.decode(record.encode(LeaseRecord(name="t", namespace="n", queue="q",
                                                                 owner_uid="u")))).held_by_pod == ""
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(), lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner,
+                                                                                                max_size=4),
+                     max_leaves=20)
+
+
+@settings(deadline=None)  # no timing in tests: a loaded machine is slow
+@given(st.dictionaries(st.text(), _json, max_size=6))
+def test_whatever_a_status_holds_comes_back_as_it_was(status: dict[str, object]) -> None:
+    task = {**_task({"i": 1}), "status": status}
+    assert slim(task).json()["status"] == status
+
+
+def test_a_finished_task_deflates_to_a_fraction_of_its_json() -> None:
+    """A task held once and closed Succeeded, as the projection writes it: what most Tasks
+    kept at depth look like once a queue has drained."""
+    task = _task({"i": 1})
+    task["metadata"]["uid"] = "3f2c9a0e-5b7d-4c1e-9a8f-0d6b2e4c7a91"  # type: ignore[index]
+    closed = LeaseRecord(name="t-1", namespace="ns", queue="q", owner_uid="3f2c9a0e-5b7d-4c1e-9a8f-0d6b2e4c7a91",
+                         epoch=1, acquired_at=AT, renewed_at=AT, outcome="Succeeded", reason="Completed",
+                         result="ok", history=(models.Attempt(attempt=1, holder="pod-3/81422", claimed_at=AT,
+                                                              ended_at=AT, outcome="Succeeded"),))
+    status = projection.project(task, closed, old=models.TaskStatus(), now=AT)
+    task["status"] = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    kept = slim(task)
+    assert kept.json()["status"] == task["status"]
+    assert len(kept.packed) < len(json.dumps(kept.json(), separators=(",", ":"))) / 5

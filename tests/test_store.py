@@ -3,6 +3,7 @@ objects, and the snapshot a decision is made from."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -12,7 +13,8 @@ import pytest
 pytest.importorskip("prometheus_client")  # the operator's extra: not on the SDK-only Pythons of `make unit-all`
 
 from tasklease.api.models import Phase  # noqa: E402
-from tasklease.kube import JSON  # noqa: E402
+from tasklease.kube import JSON, TASKS  # noqa: E402
+from tasklease.kube.watching import Reflector  # noqa: E402
 from tasklease.operator import metrics  # noqa: E402
 from tasklease.operator.store import Store  # noqa: E402
 from tasklease.protocol import LeaseRecord, TaskView, record  # noqa: E402
@@ -208,3 +210,47 @@ def test_an_older_lease_version_that_cannot_be_read_leaves_the_newer_one_held() 
     older["spec"] = "not a map"
     s.lease_event("ADDED", older)  # a seeding list behind the watch
     assert held_rv(s) == "10"
+
+
+def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_deletions_by_them() -> None:
+    s = store(Clock(1000.0))
+    s.task_event("ADDED", task("5"))
+    s.lease_event("ADDED", lease("6"))
+    s.task_event("ADDED", {**task("7"), "metadata": {**task("7")["metadata"], "namespace": "other"}})
+    assert s.task_names("ns") == ["t"] and sorted(s.task_names(None)) == ["ns/t", "other/t"]
+    assert s.lease_names("ns") == ["t"] and s.lease_names(None) == ["ns/t"] and s.lease_names("other") == []
+
+    class Empty:
+        """A namespace whose Tasks are all gone; one is created meanwhile, after the list's
+        snapshot, and the store learns of it from elsewhere (the leader's seeding list)."""
+
+        def list_pages(self, res: Any, **_: Any) -> Any:
+            s.listed_task({**task("10"), "metadata": {**task("10")["metadata"], "name": "new"}})
+            yield {"metadata": {"resourceVersion": "9"}, "items": []}
+    seen: list[tuple[str, JSON]] = []
+
+    def listener(kind: str, obj: JSON) -> None:
+        seen.append((kind, obj))
+        s.task_event(kind, obj)
+    watch = Reflector(Empty(), TASKS, namespace="ns", listener=listener,  # type: ignore[arg-type]
+                      known=functools.partial(s.task_names, "ns"))
+    watch._relist()
+    assert seen == [("DELETED", {"metadata": {"name": "t", "namespace": "ns"}})]
+    assert s.task(KEY) is None and s.task_names(None) == ["other/t", "ns/new"] and watch.store == {}
+
+
+@pytest.mark.parametrize("lease_first", [True, False], ids=["lease-listed-first", "task-first"])
+def test_a_task_and_its_lease_share_one_key_through_every_version(lease_first: bool) -> None:
+    s = store(Clock(1000.0))
+    if lease_first:  # as a new leader seeds: the Leases are listed before the Tasks
+        s.lease_event("ADDED", lease("4"))
+    s.task_event("ADDED", task("5"))
+    s.lease_event("MODIFIED", lease("6", holder="p/1", epoch=1))
+    entry, held = s.entry(KEY)
+    assert entry is not None and held is not None and entry.key is held.key == KEY
+    s.wrote_task(KEY, entry, task("7"))
+    s.remember(held.record(), record.decode(lease("8", epoch=1)))
+    s.task_event("MODIFIED", task("9", cancel=True))
+    later, kept = s.entry(KEY)
+    assert later is not None and kept is not None and later.key is kept.key is entry.key
+    assert s.task_keys()[0] is entry.key

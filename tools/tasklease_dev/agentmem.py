@@ -99,10 +99,24 @@ def _fill(tasks: int, top: int) -> dict[str, Any]:
                            "cpu_s": time.process_time() - cpu}
     out["bytes_per_task"] = (out["rss_after_mb"] - base) * 2**20 / max(tasks, 1)
     if top:
-        snapshot = tracemalloc.take_snapshot()
-        out["top"] = [str(s) for s in snapshot.statistics("lineno")[:top]]
-        out["traced_mb"] = sum(s.size for s in snapshot.statistics("filename")) / 2**20
+        out.update(allocations(top, tasks))
     return out
+
+
+def allocations(top: int, tasks: int) -> dict[str, Any]:
+    """What tracemalloc (started by the caller) finds still held: the `top` largest sites, and in all."""
+    import tracemalloc
+    snapshot = tracemalloc.take_snapshot()
+    traced = sum(s.size for s in snapshot.statistics("filename"))
+    return {"top": [str(s) for s in snapshot.statistics("lineno")[:top]], "traced_mb": traced / 2**20,
+            "traced_bytes_per_task": traced / max(tasks, 1)}
+
+
+def print_allocations(got: dict[str, Any]) -> None:
+    for line in got.get("top", []):
+        print("  " + line)
+    if "traced_mb" in got:
+        print(f"  traced at the end: {got['traced_mb']:.1f} MB, {got['traced_bytes_per_task']:.0f} B/task")
 
 
 def _imported(module: str) -> dict[str, Any]:
@@ -141,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"QueueView of {got['tasks']:,} tasks ({got['claimable']:,} claimable): RSS {got['rss_before_mb']:.1f} -> "
           f"{got['rss_after_mb']:.1f} MB, {got['bytes_per_task']:.0f} B/task, peak {got['hwm_mb']:.1f} MB, "
           f"{got['cpu_s']:.1f} s CPU")
-    for line in got.get("top", []):
-        print("  " + line)
-    if "traced_mb" in got:
-        print(f"  traced at the end: {got['traced_mb']:.1f} MB")
+    print_allocations(got)
     return 0
 
 

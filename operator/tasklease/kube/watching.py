@@ -39,8 +39,10 @@ class Reflector:
     listener's whole record of it); a deletion found by a relist is then delivered with that
     metadata only. `known`: the names the listener keeps itself, for one that keeps every
     object's name: the store then stays empty, and a deletion found by a relist carries the
-    name alone. `namespace=None` watches every namespace; the store is
-    then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
+    name alone; what it answers as a list starts is what that list is compared with (a copy,
+    from a listener that also learns names elsewhere: one learned during the list, which the
+    list may not show, is no deletion). `namespace=None` watches every namespace; the store
+    is then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
     as a streaming list (see the module), `pages` counting every `page_size` objects."""
 
@@ -153,7 +155,7 @@ class Reflector:
                          self.resource.plural, self.pages)
                 self.resumed += 1
                 start = exc.resume
-        self._listed(seen, since)
+        self._listed(seen, since, before)
 
     def _stream(self) -> None:
         """A streaming list, then the watch goes on in the same response. Until the bookmark
@@ -173,7 +175,7 @@ class Reflector:
             elif kind == "BOOKMARK":
                 if (obj["metadata"].get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
                     self.pages += 1  # the last, part of a page
-                    self._listed(seen, obj["metadata"]["resourceVersion"])
+                    self._listed(seen, obj["metadata"]["resourceVersion"], before)
             else:
                 name = self._name(obj)
                 if seen is not None:
@@ -186,12 +188,12 @@ class Reflector:
         if not self._rv and not self._stop.is_set():
             raise errors.Invalid(f"the watch of {self.resource.plural} ended before its initial events did")
 
-    def _listed(self, seen: set[str] | None, version: str) -> None:
-        """A first list has ended at `version`: what was there before and is not in it was
+    def _listed(self, seen: set[str] | None, version: str, before: Collection[str]) -> None:
+        """A first list has ended at `version`: what was there `before` and is not in it was
         deleted meanwhile."""
         self.lists += 1
         if seen is not None and self.known is not None:
-            for name in [n for n in self.known() if n not in seen]:
+            for name in [n for n in before if n not in seen]:
                 self._deliver("DELETED", self._stored(name, None))
         elif seen is not None:
             for name in set(self.store) - seen:

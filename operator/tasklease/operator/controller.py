@@ -2,7 +2,8 @@
 
 Choices, on purpose (see docs/operator.md):
 - Tasks and Leases, the two kinds that grow with the queue, are watched by our own
-  `kube.watching.Reflector`s (paginated lists, identities only in their stores), not by
+  `kube.watching.Reflector`s (paginated lists, nothing in their stores: the reconciler's
+  store names what a relist must find again), not by
   kopf: kopf lists a kind in one answer and keeps every object it lists in a per-object
   worker until that worker has been idle for seconds, which costs memory per task (`make
   bench` measures the operator's memory at depth).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -176,9 +178,10 @@ def _reflectors(reconciler: Reconciler, podbound: PodBound, queues: QueueControl
         podbound.on_lease(kind, obj)
         queues.on_lease(kind, obj)
     scopes: list[str | None] = [*namespaces] if namespaces else [None]
+    store = reconciler.store
     return [r for ns in scopes for r in (
-        Reflector(kube, TASKS, namespace=ns, listener=on_task, keep_objects=False),
-        Reflector(kube, LEASES, namespace=ns, listener=on_lease, keep_objects=False,
+        Reflector(kube, TASKS, namespace=ns, listener=on_task, known=functools.partial(store.task_names, ns)),
+        Reflector(kube, LEASES, namespace=ns, listener=on_lease, known=functools.partial(store.lease_names, ns),
                   label_selector=record.MANAGED_SELECTOR))]
 
 

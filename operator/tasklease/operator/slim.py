@@ -2,11 +2,12 @@
 
 Every Task and every Lease costs memory for as long as it exists, at every queue depth.
 Nested dicts are the largest form of a projected Task, compact JSON smaller, and deflated
-against a dictionary of what every Task has in common (keys, defaults, the two conditions)
-smallest; the same holds for a closed Lease decoded into a `LeaseRecord` (datetimes,
-pydantic attempts). Both are inflated only when their task is reconciled (`make bench`
-measures the operator's memory at depth). The dictionaries live in this process only: what they contain
-changes how small an object gets, never what comes back.
+against a dictionary of what every Task has in common (keys, defaults, the two conditions,
+and a finished task's history, the most common kind once a queue has drained) smallest; the
+same holds for a Lease decoded into a `LeaseRecord` (datetimes, pydantic attempts). Both
+are inflated only when their task is reconciled (`make bench` and `python -m
+tasklease_dev.opmem` measure the operator's memory at depth). The dictionaries live in this
+process only: what they contain changes how small an object gets, never what comes back.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import json
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from tasklease.api import models
 from tasklease.kube import JSON
+from tasklease.operator import projection
 from tasklease.protocol import LeaseRecord, record
 
 # What a decision or a status write needs of a Task's metadata; the rest (managedFields,
@@ -30,14 +32,15 @@ _WBITS = -15  # a raw deflate stream: no header or checksum for data that never 
 
 
 class _Packer:
-    """Compact JSON, deflated against `common`: the keys and values most objects share."""
+    """Compact JSON with its keys sorted, deflated against `common`: objects shaped as most
+    are (their keys sorted too, so that whole runs of an object match), the likeliest last."""
 
-    def __init__(self, common: JSON) -> None:
-        self._common = json.dumps(common, separators=(",", ":"), sort_keys=True).encode()
+    def __init__(self, *common: JSON) -> None:
+        self._common = b"".join(_compact(c) for c in common)
 
     def pack(self, obj: JSON) -> bytes:
-        deflate = zlib.compressobj(6, zlib.DEFLATED, _WBITS, zdict=self._common)
-        return deflate.compress(json.dumps(obj, separators=(",", ":")).encode()) + deflate.flush()
+        deflate = zlib.compressobj(9, zlib.DEFLATED, _WBITS, 9, zdict=self._common)
+        return deflate.compress(_compact(obj)) + deflate.flush()
 
     def unpack(self, packed: bytes) -> JSON:
         inflate = zlib.decompressobj(_WBITS, zdict=self._common)
@@ -45,31 +48,46 @@ class _Packer:
         return obj
 
 
-def _common_task() -> JSON:
-    """A made-up Task with every key and default a real one has."""
+def _compact(obj: JSON) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+_AT = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def _common_task() -> tuple[JSON, JSON]:
+    """Two made-up Tasks with every key and default a real one has: one waiting, and one
+    finished as the projection writes it (held once, closed Succeeded)."""
     condition = {"lastTransitionTime": "", "message": "", "observedGeneration": 1, "status": "False"}
-    return {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
-            "metadata": dict.fromkeys(KEPT_METADATA, ""),
-            "spec": models.TaskSpec(queue="q").model_dump(mode="json", by_alias=True, exclude={"payload"}),
-            "status": {**models.TaskStatus().model_dump(mode="json", by_alias=True, exclude_none=True),
-                       "conditions": [{**condition, "reason": "NotHeld", "type": "Held"},
-                                      {**condition, "reason": "NotFinished", "type": "Finished"}],
-                       "reason": "Waiting"}}
+    waiting = {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
+               "metadata": {**dict.fromkeys(KEPT_METADATA, ""), "generation": 1},
+               "spec": models.TaskSpec(queue="q").model_dump(mode="json", by_alias=True, exclude={"payload"}),
+               "status": {**models.TaskStatus().model_dump(mode="json", by_alias=True, exclude_none=True),
+                          "conditions": [{**condition, "reason": "NotHeld", "type": "Held"},
+                                         {**condition, "reason": "NotFinished", "type": "Finished"}],
+                          "reason": "Waiting"}}
+    closed = record.decode(_common_lease()[1])
+    done = projection.project({**waiting, "metadata": {"uid": closed.owner_uid, "generation": 1}}, closed,
+                              old=models.TaskStatus(), now=_AT)
+    return waiting, {**waiting, "status": done.model_dump(mode="json", by_alias=True, exclude_none=True)}
 
 
-def _common_lease() -> JSON:
-    """A made-up closed Lease of a task, with one attempt in its history."""
-    at = datetime(2000, 1, 1, tzinfo=UTC)
-    lease = record.encode(LeaseRecord(
-        name="t", namespace="n", queue="q", owner_uid="u", epoch=1, acquired_at=at, renewed_at=at,
-        outcome="Succeeded", reason="Succeeded", result="ok", resource_version="1",
-        history=(models.Attempt(attempt=1, holder="p/i", claimed_at=at, ended_at=at, outcome="Succeeded"),)))
-    lease["metadata"]["uid"] = "u"
-    return lease
+def _common_lease() -> tuple[JSON, JSON]:
+    """Two made-up Leases of a task: held by its first attempt, and closed Succeeded."""
+    held = LeaseRecord(name="t", namespace="n", queue="q", owner_uid="u", holder="p/i", epoch=1, acquired_at=_AT,
+                       renewed_at=_AT, resource_version="1",
+                       history=(models.Attempt(attempt=1, holder="p/i", claimed_at=_AT),))
+    closed = replace(held, holder="", outcome="Succeeded", reason="Completed", result="ok",
+                     history=(models.Attempt(attempt=1, holder="p/i", claimed_at=_AT, ended_at=_AT,
+                                             outcome="Succeeded"),))
+    leases = record.encode(held), record.encode(closed)
+    for lease in leases:
+        lease["metadata"]["uid"] = "u"
+    return leases
 
 
-_TASKS = _Packer(_common_task())
-_LEASES = _Packer(_common_lease())
+_TASKS = _Packer(*_common_task())
+_LEASES = _Packer(*_common_lease())
 
 
 @dataclass(slots=True)
@@ -82,6 +100,7 @@ class SlimTask:
     version: int  # metadata.resourceVersion (`version`)
     packed: bytes
     projected: tuple[str, str] | None = None  # (queue, phase) as last projected, for the gauges
+    key: tuple[str, str] | None = None  # (namespace, name): the store's one tuple for the task and its Lease
 
     def json(self) -> JSON:
         return _TASKS.unpack(self.packed)
@@ -117,6 +136,7 @@ class SlimLease:
     held_by_pod: str  # the holder's Pod while held, else ""
     resource_version: str
     packed: bytes
+    key: tuple[str, str] | None = None  # as `SlimTask.key`
 
     def record(self) -> LeaseRecord:
         return record.decode(_LEASES.unpack(self.packed))

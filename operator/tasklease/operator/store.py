@@ -107,7 +107,8 @@ class Store:
                 return key, False
             if held is not None:
                 entry.projected = held.projected
-            self._tasks[key] = entry
+            entry.key = self._shared(key)
+            self._tasks[entry.key] = entry
             where = (key[0], entry.queue)
             if where not in self._queues:
                 self._queues.add(where)
@@ -173,6 +174,17 @@ class Store:
         with self._lock:
             return list(self._tasks)
 
+    def task_names(self, namespace: str | None) -> list[str]:
+        """The Tasks held, named as a Reflector of `namespace` (None: all) names them: its
+        `known`, so that its store stays empty and a relist still reports what was deleted."""
+        with self._lock:
+            return _names(self._tasks, namespace)
+
+    def lease_names(self, namespace: str | None) -> list[str]:
+        """The Leases held, as `task_names` names the Tasks."""
+        with self._lock:
+            return _names(self._leases, namespace)
+
     def observed(self, key: Key, rec: LeaseRecord | None) -> decision.Observed:
         """What our clocks saw of `rec` (the Lease `entry` gave), for `decision`."""
         held = rec is not None and rec.state == record.HELD
@@ -227,7 +239,7 @@ class Store:
         kept = slim(written)
         with self._lock:
             if self._tasks.get(key) is entry:
-                kept.projected = entry.projected
+                kept.projected, kept.key = entry.projected, entry.key
                 self._tasks[key] = kept
 
     def task_gone(self, key: Key, entry: SlimTask) -> None:
@@ -269,8 +281,18 @@ class Store:
 
     # -- under the lock --------------------------------------------------------------------
 
+    def _shared(self, key: Key) -> Key:
+        """The one (namespace, name) tuple held for `key`'s task and its Lease: a second
+        tuple, and a second copy of the name, would cost every task claimed once."""
+        for held in (self._tasks.get(key), self._leases.get(key)):
+            if held is not None and held.key is not None:
+                return held.key
+        return key
+
     def _cache(self, key: Key, rec: LeaseRecord) -> None:
-        self._leases[key] = slim_lease(rec)
+        lease = slim_lease(rec)
+        lease.key = self._shared(key)
+        self._leases[lease.key] = lease
         before = self._sightings.get(key)
         if before is None or (before.epoch, before.state) != (rec.epoch, rec.state):
             if rec.state == record.CLOSED:
@@ -316,6 +338,12 @@ def _skip(kind: str, obj: Any, exc: Exception) -> None:
     meta = meta if isinstance(meta, dict) else {}
     log.warning("skipping a %s that cannot be read (%s/%s): %r", kind, meta.get("namespace"), meta.get("name"), exc)
     metrics.MALFORMED.labels(kind, "unreadable").inc()
+
+
+def _names(held: dict[Key, Any], namespace: str | None) -> list[str]:
+    if namespace is not None:
+        return [name for ns, name in held if ns == namespace]
+    return [f"{ns}/{name}" for ns, name in held]
 
 
 def _key(obj: JSON) -> Key:
