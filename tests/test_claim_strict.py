@@ -5,13 +5,14 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from conftest import make_task
+from conftest import Cluster, make_task
 from tasklease.agent import Agent, Identity
 from tasklease.agent.producer import Producer
 from tasklease.agent.ranked import LABEL_RANK, rank
 from tasklease.api import errors, models
 from tasklease.api.timestamps import format_time, now_utc
 from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.protocol import record
 
 
 def _agent(kube: Kube) -> Agent:
@@ -149,3 +150,20 @@ def test_a_first_page_of_tasks_outside_the_default_band_hides_no_default_task(ku
         producer.submit(f"z-now-{i}", models.TaskSpec(queue="hidden"))
     assert agent.claim_once("hidden").name.startswith("z-now-")
     agent.close()
+
+
+def test_a_new_process_claims_a_task_whose_backoff_ended_a_moment_ago(cluster: Cluster, kube: Kube) -> None:
+    """A new process's first look is made before any answer has dated the server's clock: a
+    backoff that ended a moment ago is within what it cannot yet tell, so it looks once more
+    instead of answering "nothing claimable" (the claim's rule judges by the server's clock)."""
+    Producer(kube).submit("just", models.TaskSpec.model_validate(
+        {"queue": "just", "maxAttempts": 3, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}))
+    first = _agent(kube)
+    first.claim_once("just").fail("first attempt")
+    first.close()
+    ended = format_time(now_utc() - timedelta(milliseconds=50))
+    kube.merge_patch(LEASES, "just", {"metadata": {"annotations": {record.ANN_NOT_BEFORE: ended}}})
+    fresh = Agent(cluster.kube(kube.namespace), identity=Identity(pod="shell", instance="2"))
+    task = fresh.claim_once("just")
+    assert (task.name, task.epoch) == ("just", 2)
+    fresh.close()

@@ -234,13 +234,15 @@ class Agent:
         """`claim_once`'s look: the task claimed, else the soonest time a task not yet due
         becomes due (None: none is waiting for a time). `admit` before each claim write."""
         soonest: datetime | None = None
-        now = self.kube.now()
         for obj in best_first(self.kube, namespace=self.namespace, field_selector=unheld_selector(queue),
                               page=self.settings.cli_page):
             task = TaskView.of(obj)
             rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
             for _ in range(_CLAIM_TRIES):
                 admit()
+                # The claim's rule reads the server's clock a moment later; read before any answer
+                # had dated it, this process's clock would be later than that by up to a second.
+                now = self.kube.now()
                 try:
                     held = self.protocol.claim(task, rec, self.identity.holder)
                 except errors.NotClaimable:
