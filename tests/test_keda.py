@@ -164,7 +164,8 @@ def test_real_keda_scales_the_agents_from_zero_on_claimable_work_and_back_when_i
         make_task(kube, "wake-up", queue=QUEUE)
         wait_for(lambda: replicas() == 1, timeout=60,
                  message=f"KEDA scaling the agents from zero; its log:\n{keda.output()[-3000:]}")
-        assert condition("Active") == "True"
+        # KEDA writes the condition after it has scaled: under load, a moment later.
+        wait_for(lambda: condition("Active") == "True", timeout=30, message="KEDA's ScaledObject to say Active")
 
         # The work done, nothing claimable or running: back to zero after the cooldown.
         config = cluster.namespaced_kubeconfig(namespace, tmp_path)
