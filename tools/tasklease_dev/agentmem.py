@@ -126,11 +126,15 @@ def _imported(module: str) -> dict[str, Any]:
             "modules": len(sys.modules)}
 
 
-def _child(*args: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "tasklease_dev.agentmem", *args], check=True,
-                         capture_output=True, text=True).stdout
+def child_report(module: str, *args: str) -> dict[str, Any]:
+    """What `python -m <module> <args>` (a probe's child, in a fresh process) printed last, as JSON."""
+    out = subprocess.run([sys.executable, "-m", module, *args], check=True, capture_output=True, text=True).stdout
     result: dict[str, Any] = json.loads(out.splitlines()[-1])
     return result
+
+
+def _child(*args: str) -> dict[str, Any]:
+    return child_report("tasklease_dev.agentmem", *args)
 
 
 def main(argv: list[str] | None = None) -> int:

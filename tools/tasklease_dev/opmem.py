@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from tasklease_dev.agentmem import NAMESPACE, allocations, print_allocations, task_json
+from tasklease_dev.agentmem import NAMESPACE, allocations, child_report, print_allocations, task_json
 from tasklease_dev.bench.procs import status_mb
 
 _HOLDERS = 16  # agents, as the scale case starts
@@ -159,10 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fill:
         print(json.dumps(_fill(args.tasks, args.top, claimed=not args.open)))
         return 0
-    out = subprocess.run([sys.executable, "-m", "tasklease_dev.opmem", "--fill", "--tasks", str(args.tasks),
-                          "--top", str(args.top), *(["--open"] if args.open else [])],
-                         check=True, capture_output=True, text=True).stdout
-    got = json.loads(out.splitlines()[-1])
+    got = child_report("tasklease_dev.opmem", "--fill", "--tasks", str(args.tasks), "--top", str(args.top),
+                       *(["--open"] if args.open else []))
     per = got["bytes_per_task"]
     held = f"{got['pending']:,} open" if args.open else f"{got['succeeded']:,} finished, projected Succeeded"
     print(f"operator holding {got['tasks']:,} tasks ({held}): RSS "
