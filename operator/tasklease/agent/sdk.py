@@ -245,19 +245,22 @@ class Agent:
                 now = self.kube.now()
                 try:
                     held = self.protocol.claim(task, rec, self.identity.holder)
-                except errors.NotClaimable:
+                except errors.NotClaimable as exc:
+                    log.info("passed over %s/%s: %s", task.namespace, task.name, exc)
                     due = max((t for t in (task.spec.not_before, rec.not_before if rec else None)
                                if t is not None), default=None)
                     if due is not None and due > now and (soonest is None or due < soonest):
                         soonest = due
                     break
-                except errors.Refused:
+                except errors.Refused as exc:
+                    log.info("passed over %s/%s: the API server refused its claim: %s", task.namespace, task.name, exc)
                     break
                 except errors.Conflict:
                     # It had a Lease after all, or the Lease moved: another agent won (read
                     # held, not claimable: the next task), or the operator wrote it (free still).
                     rec = self.protocol.read(task.namespace, task.name)
                     if rec is None:
+                        log.info("passed over %s/%s: its Lease was deleted meanwhile", task.namespace, task.name)
                         break
                     continue
                 return self._claimed(task, held, interrupt=interrupt, follow=False)
