@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from conftest import Cluster, make_task
-from tasklease.agent import Agent, Identity
+from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.agent.producer import Producer
 from tasklease.agent.ranked import LABEL_RANK, rank
 from tasklease.api import errors, models
@@ -152,10 +153,16 @@ def test_a_first_page_of_tasks_outside_the_default_band_hides_no_default_task(ku
     agent.close()
 
 
-def test_a_new_process_claims_a_task_whose_backoff_ended_a_moment_ago(cluster: Cluster, kube: Kube) -> None:
+@pytest.mark.parametrize("claim", [
+    pytest.param(lambda agent: agent.claim_once("just"), id="one-shot"),  # tasklease claim
+    pytest.param(lambda agent: agent.claim("just", timeout=0), id="watching"),  # tasklease run, no --wait
+])
+def test_a_new_process_claims_a_task_whose_backoff_ended_a_moment_ago(
+        cluster: Cluster, kube: Kube, claim: Callable[[Agent], ClaimedTask]) -> None:
     """A new process's first look is made before any answer has dated the server's clock: a
     backoff that ended a moment ago is within what it cannot yet tell, so it looks once more
-    instead of answering "nothing claimable" (the claim's rule judges by the server's clock)."""
+    (or waits for it) instead of answering "nothing claimable" (the claim's rule judges by the
+    server's clock)."""
     Producer(kube).submit("just", models.TaskSpec.model_validate(
         {"queue": "just", "maxAttempts": 3, "backoff": {"initialSeconds": 0, "maxSeconds": 0}}))
     first = _agent(kube)
@@ -164,6 +171,6 @@ def test_a_new_process_claims_a_task_whose_backoff_ended_a_moment_ago(cluster: C
     ended = format_time(now_utc() - timedelta(milliseconds=50))
     kube.merge_patch(LEASES, "just", {"metadata": {"annotations": {record.ANN_NOT_BEFORE: ended}}})
     fresh = Agent(cluster.kube(kube.namespace), identity=Identity(pod="shell", instance="2"))
-    task = fresh.claim_once("just")
+    task = claim(fresh)
     assert (task.name, task.epoch) == ("just", 2)
     fresh.close()

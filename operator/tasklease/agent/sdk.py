@@ -151,7 +151,8 @@ class Agent:
         """Wait (watch-driven, no polling) until a task of `queue` is ours. NothingToClaim on
         timeout, when `stop` is set, or when the agent is closed meanwhile. The timeout does not
         end before the first list of the queue's Tasks has: until then no look can tell that a
-        deep queue holds nothing for us. A lost lease sets
+        deep queue holds nothing for us, nor while a task may be due already by what this
+        process cannot yet tell of the server's clock (`_unsure_wait`). A lost lease sets
         `task.lost`; with `interrupt` (main thread only) it also raises LostLease inside the
         task's `with` block (`claimed._MainThreadInterrupt` says how, and its limits)."""
         settings = self.settings
@@ -190,12 +191,14 @@ class Agent:
                 # Round after round lost: our picture is behind. Let the watch catch up (the
                 # winners' writes are on their way) instead of spinning on stale candidates.
                 rounds_lost, wait = 0, settings.catch_up_s
-            if give_up is not None:
-                left = give_up - time.monotonic()
-                if left <= 0 and listed:
-                    raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
-                wait = min(wait, max(left, 0.0)) if listed else wait
             next_ready = view.next_not_before()
+            if give_up is not None and listed:
+                left = give_up - time.monotonic()
+                if next_ready is not None:  # a task that may be due already is worth its wait
+                    left = max(left, self._unsure_wait(next_ready) or 0.0)
+                if left <= 0:
+                    raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+                wait = min(wait, left)
             if next_ready is not None:
                 wait = min(wait, max((next_ready - self.kube.now()).total_seconds(), 0.05))
             if stop is not None:
@@ -219,16 +222,22 @@ class Agent:
             admit = OneShotAdmission(self.kube, controls, namespace=self.namespace, queue=queue,
                                      holder=self.identity.holder)
             found = self._claim_pass(queue, interrupt, admit)
-            if isinstance(found, datetime):
-                low, high = self.kube.server_clock.offset()
-                wait = (found - self.kube.now()).total_seconds()
-                if wait <= (high - low).total_seconds():
-                    time.sleep(max(wait, 0.0))
-                    found = self._claim_pass(queue, interrupt, admit)
+            if isinstance(found, datetime) and (wait := self._unsure_wait(found)) is not None:
+                time.sleep(wait)
+                found = self._claim_pass(queue, interrupt, admit)
         if isinstance(found, ClaimedTask):
             return found
         admit.give_back()
         raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+
+    def _unsure_wait(self, due: datetime) -> float | None:
+        """Seconds until `due` when it lies within what this process cannot yet tell of the
+        server's clock (a new process has read few whole-second `Date`s, and `Kube.now` is the
+        earliest the time can be): it may have come already, and whoever wrote it read a later
+        clock. None when it is surely further off."""
+        low, high = self.kube.server_clock.offset()
+        wait = (due - self.kube.now()).total_seconds()
+        return max(wait, 0.0) if wait <= (high - low).total_seconds() else None
 
     def _claim_pass(self, queue: str, interrupt: bool, admit: OneShotAdmission) -> ClaimedTask | datetime | None:
         """`claim_once`'s look: the task claimed, else the soonest time a task not yet due
