@@ -135,7 +135,8 @@ def test_the_operator_takes_back_claims_that_ignore_the_controls(
     assert "while queue stopped is paused" in record.decode(kube.get(LEASES, "s-1")).history[-1].message
     with pytest.raises(errors.LostLease):
         rogue.complete(held[0], "mine anyway")
-    assert queues.CLAIM_UNDONE in _events(kube, "guarded")
+    # The Event follows the Lease write that the waits above saw.
+    wait_for(lambda: queues.CLAIM_UNDONE in _events(kube, "guarded"), message="the ClaimUndone Event")
 
     # Claims beyond the rate (the operator has run longer than its window by now): the excess is undone.
     _queue(kube, "slow", claimsPerSecond=0.1)
