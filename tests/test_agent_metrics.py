@@ -125,7 +125,8 @@ def test_tasklease_run_serves_its_metrics(cluster: Cluster, namespace: str, tmp_
                 return ""
             done = f'tasklease_agent_completions_total{{namespace="{namespace}",queue="m"}} 1.0'
             failed = f'tasklease_agent_failures_total{{namespace="{namespace}",queue="m"}} 1.0'
-            return text if done in text and failed in text else ""
+            # The handler's time is observed just after its counter: wait for both.
+            return text if done in text and failed in text and 'outcome="completed"' in text else ""
         text = wait_for(scraped, timeout=60, interval=0.2, message="the run's metrics")
         assert f'tasklease_agent_claims_total{{namespace="{namespace}",queue="m"}} 2.0' in text
         assert 'outcome="completed"' in text and "tasklease_agent_handler_seconds_count" in text

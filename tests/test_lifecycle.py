@@ -84,7 +84,7 @@ def test_finished_tasks_are_cleaned_up_after_their_ttl_but_dead_letters_are_kept
         assert cli("run", "--queue", queue, "--", "true").returncode == 0
     wait_for(lambda: kube.get_or_none(TASKS, "short") is None, message="the finished task to be deleted")
     wait_for(lambda: kube.get_or_none(LEASES, "short") is None, message="its Lease to go with it")
-    assert _status(kube, "kept")["phase"] == "Succeeded"
+    wait_for(lambda: _status(kube, "kept").get("phase") == "Succeeded", message="kept projected Succeeded")
     assert _status(kube, "dead")["reason"] == "DeadLettered"  # finished before, and still here
     assert kube.get_or_none(LEASES, "dead") is not None
 

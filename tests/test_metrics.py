@@ -23,7 +23,8 @@ def test_per_queue_series_have_the_namespace_start_at_zero_and_grow(
     make_task(cluster.kube(namespace), "m1", queue="metered")
     where = f'namespace="{namespace}",queue="metered"'
     ns, q = f'namespace="{namespace}"', 'queue="metered"'  # the exposition sorts labels by name
-    wait_for(lambda: f"tasklease_dead_letters_total{{{where}}} 0.0" in _series(operator),
+    # The series are made one after another: wait for one of the last made.
+    wait_for(lambda: f'tasklease_expirations_total{{cause="container-restarted",{where}}} 0.0' in _series(operator),
              message="the queue's series at zero")
     series = _series(operator)
     assert not [s for s in series if "_created" in s]

@@ -371,8 +371,10 @@ def test_force_deleting_the_holder_pod_requeues_at_once(e2e: E2E) -> None:
     assert outcome == "Expired", f"{outcome}: {e2e.task('force-deleted')['status']}\n{e2e.operator_logs()[-3000:]}"
     requeue_s = time.monotonic() - deleted_at
     e2e.figures["pod-deletion requeue"] = f"{requeue_s:.1f}s (lease 30s: the fast path, not the lease running out)"
-    assert "force-deleted: expired attempt 1" in e2e.operator_logs()
-    assert "(pod-gone," in e2e.operator_logs().split("force-deleted: expired attempt 1", 1)[1].split("\n", 1)[0]
+    # The pod's logs reach `kubectl logs` a moment after the operator wrote them.
+    logged = wait_for(lambda: "force-deleted: expired attempt 1" in (logs := e2e.operator_logs()) and logs,
+                      timeout=30, message="the expiry logged")
+    assert "(pod-gone," in logged.split("force-deleted: expired attempt 1", 1)[1].split("\n", 1)[0]
     wait_for(lambda: e2e.phase("force-deleted") == "Succeeded", timeout=120, interval=0.5,
              message="another pod finished it")
     final = e2e.task("force-deleted")["status"]

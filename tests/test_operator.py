@@ -189,8 +189,9 @@ def test_when_the_holders_pod_is_gone_its_task_is_requeued_at_once(
     finally:
         holder.stop()
     assert _lease(kube, "pod-bound").history[0].outcome == "Expired"
-    assert (f'tasklease_expirations_total{{cause="pod-gone",namespace="{namespace}",queue="pods"}} 1.0'
-            in operator.get("/metrics")[1])
+    counted = f'tasklease_expirations_total{{cause="pod-gone",namespace="{namespace}",queue="pods"}} 1.0'
+    # Counted after the Lease write that the wait above saw.
+    wait_for(lambda: counted in operator.get("/metrics")[1], message="the pod-gone expiration counted")
 
 
 def test_a_pod_recreated_under_the_same_name_keeps_what_it_claims_and_loses_it_when_it_goes(
