@@ -109,12 +109,13 @@ def test_a_bound_lease_lives_without_renewals_and_ends_with_its_container(
     rec = _lease(admin, "long")
     assert rec.history[-1].outcome == "Expired" and "restarted" in rec.history[-1].message, rec.history
     assert took < 1, f"{took:.2f}s from the container restart to the requeue"
-    def expired() -> list[str]:
-        return [line for line in op.get("/metrics")[1].splitlines()
-                if line.startswith("tasklease_expirations_total{") and 'cause="container-restarted"' in line
-                and 'queue="pb"' in line]
+    def counted_once() -> bool:
+        expired = [line for line in op.get("/metrics")[1].splitlines()
+                   if line.startswith("tasklease_expirations_total{") and 'cause="container-restarted"' in line
+                   and 'queue="pb"' in line]
+        return bool(expired) and expired[0].endswith(" 1.0")
     # Counted after the Lease write that the wait above saw.
-    wait_for(lambda: expired() and expired()[0].endswith(" 1.0"), message="the container-restarted expiration counted")
+    wait_for(counted_once, message="the container-restarted expiration counted once")
 
 
 def test_a_bound_lease_ends_when_its_pod_is_deleted(shell_pod: ShellPod,
