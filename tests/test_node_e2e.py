@@ -598,7 +598,10 @@ def test_scale_down_drains_the_agents_and_scale_up_resumes(e2e: E2E) -> None:
         wait_for(lambda: not e2e.json("pods", "-n", NS, "-l", selector)["items"], timeout=60, interval=0.2,
                  message="every agent pod gone")
         gone_s = time.monotonic() - started
-        wait_for(lambda: len(exits) == 3, timeout=10, interval=0.1, message="the exit codes of the 3 agents")
+        try:
+            wait_for(lambda: len(exits) == 3, timeout=10, interval=0.1, message="the exit codes of the 3 agents")
+        except AssertionError as exc:  # what the watch saw, and whether it still runs (None)
+            raise AssertionError(f"{exc}: seen {exits}; kubectl's watch ended with {watcher.poll()}") from None
     finally:
         watcher.terminate()
         watcher.wait(10)
