@@ -3,16 +3,17 @@
 Load: tasks (a few of them poison: their command always fails) on one queue, `tasklease run
 --loop` agents, two operators with leader election, all on a local control plane of its own.
 Faults, at random until every task is terminal: agent kill -9 (restarted under the same
-or a new pod name), SIGSTOP of an agent past its lease, kill -9 of the leading operator,
-kill -9 of kube-apiserver (restarted by `LocalCluster.restart`).
+or a new pod name), SIGSTOP of an agent that holds a task until the operator has expired it,
+kill -9 of the leading operator, kill -9 of kube-apiserver (restarted by `LocalCluster.restart`).
 
 Evidence: each command appends `start`/`end` lines to an execution log, and the API
 server's audit log holds every Lease write with its answer. Checked:
 every task terminal and none missing; no epoch held by two holders; every Succeeded
 result written by the holder of the final epoch; no stale write accepted (a write whose
 precondition is older than a version already accepted); poison tasks dead-lettered at
-exactly maxAttempts; at most one accepted completion per task; no traceback in any log.
-Exit status 1 on any violation.
+exactly maxAttempts; at most one accepted completion per task; each fault's effect (an
+expiry, a new leader) within 60 s; every agent's documented exit code on SIGTERM; no
+traceback in any log, read once every process has stopped. Exit status 1 on any violation.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tasklease.protocol import members, record
 NAMESPACE = "chaos"
 QUEUE = "chaos"
 LEASE_S = 5
+STOPPED = 143  # `tasklease run`'s documented exit code when SIGTERM stops it
 POISON_ATTEMPTS = 3
 NORMAL_ATTEMPTS = 30  # faults alone must not dead-letter a healthy task
 FAULTS = ["agent-kill-same", "agent-kill-new", "agent-stop", "leader-kill", "apiserver-kill"]
@@ -77,15 +79,17 @@ class Proc:
         if self.popen is not None:
             self.popen.wait(30)
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """SIGTERM (SIGKILL 20 s later); its exit code (None: never started)."""
         if self.popen is None or self.popen.poll() is not None:
-            return
+            return self.popen.returncode if self.popen else None
         self.popen.send_signal(signal.SIGCONT)
         self.popen.send_signal(signal.SIGTERM)
         try:
-            self.popen.wait(20)
+            return self.popen.wait(20)
         except subprocess.TimeoutExpired:
             self.kill()
+            return self.popen.returncode
 
     def readyz(self) -> str:
         try:
@@ -211,15 +215,24 @@ class Chaos:
             i = self.rng.randrange(len(self.agents))
             victim = self.agents[i]
             assert victim.popen is not None
-            self.kills.append((time.time(), f"{victim.name}/{victim.popen.pid}."))
+            self.kills.append((time.time(), _prefix(victim)))
             victim.kill()
             base = victim.name.split("-r")[0]  # a pod name is a DNS label: agent-3, agent-3-r4da17
             pod = victim.name if kind == "agent-kill-same" else f"{base}-r{self.rng.randrange(1 << 20):x}"
             self.agents[i] = self._agent(pod)
         elif kind == "agent-stop":
-            victim = self.rng.choice(self.agents)
+            # One that holds a task, if any does: the operator must expire it under the agent.
+            held = self._held_by()
+            victim = self.rng.choice([a for a in self.agents if any(h.startswith(_prefix(a)) for h in held)]
+                                     or self.agents)
             victim.signal(signal.SIGSTOP)
-            time.sleep(LEASE_S + 3)  # past its lease: the operator expires what it held
+            # Resumed once the operator has expired what it held: its late writes must then fail.
+            stopped = time.monotonic()
+            if not self._leases_let_go(_prefix(victim), deadline_s=60):
+                self.figures.violations.append(f"agent-stop: the leases of stopped {victim.name} were "
+                                               "not expired within 60s")
+            print(f"chaos: {victim.name} stopped for {time.monotonic() - stopped:.1f}s, until it held no lease",
+                  flush=True)
             victim.signal(signal.SIGCONT)
         elif kind == "leader-kill":
             found = time.monotonic()
@@ -237,11 +250,28 @@ class Chaos:
                     self.figures.takeover_s.append(time.monotonic() - killed)
                     break
                 time.sleep(0.2)
+            else:
+                self.figures.violations.append("leader-kill: no other operator took the lead within 60s")
             leader.start()
         else:
             self.cluster.restart("kube-apiserver")
         self.figures.faults[kind] += 1
         print(f"chaos: fault {kind}", flush=True)
+
+    def _held_by(self) -> list[str]:
+        """The holders of the tasks held now."""
+        held = f"{record.LABEL_STATE}={record.HELD}"
+        leases = self._retry(lambda: self.kube.list(LEASES, namespace=NAMESPACE, label_selector=held))["items"]
+        return [record.decode(o).holder for o in leases]
+
+    def _leases_let_go(self, prefix: str, *, deadline_s: float) -> bool:
+        """Whether, within `deadline_s`, no task is held by a holder starting with `prefix`."""
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if not any(holder.startswith(prefix) for holder in self._held_by()):
+                return True
+            time.sleep(0.5)
+        return False
 
     # -- evidence ------------------------------------------------------------------------
 
@@ -280,9 +310,6 @@ class Chaos:
         for (task_name, epoch), who in holders.items():
             if len(who) > 1:
                 v.append(f"{task_name}: epoch {epoch} held by {len(who)} holders: {sorted(who)}")
-        for log in [*self.logs.glob("*.log")]:
-            if "Traceback" in log.read_text(errors="replace"):
-                v.append(f"a traceback in {log.name}")
 
     def _replay_audit(self, holders: dict[tuple[str, int], set[str]]) -> None:
         """Every accepted Lease write, in the order etcd applied them."""
@@ -364,11 +391,30 @@ class Chaos:
         print(f"chaos: {verdict}")
         return 1 if f.violations else 0
 
+    def stop_fleet(self) -> None:
+        """Stop every agent and operator, then read their logs whole: a traceback of the last
+        fault's aftermath, or of shutting down, is in them only now."""
+        for agent in self.agents:
+            code = agent.stop()
+            if code not in (None, 0, STOPPED):
+                self.figures.violations.append(f"{agent.name} exited with code {code} on SIGTERM")
+        for op in self.operators:
+            op.stop()
+        for log in [*self.logs.glob("*.log")]:
+            if "Traceback" in log.read_text(errors="replace"):
+                self.figures.violations.append(f"a traceback in {log.name}")
+
     def teardown(self) -> None:
         for p in [*self.agents, *self.operators]:
             p.stop()
         if not self.args.keep:
             self.cluster.down()
+
+
+def _prefix(agent: Proc) -> str:
+    """How the holders of `agent`'s leases begin: its pod name and process id."""
+    assert agent.popen is not None
+    return f"{agent.name}/{agent.popen.pid}."
 
 
 def _audit_time(event: dict[str, Any]) -> float:
@@ -408,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             chaos.run()
             chaos.check()
+            chaos.stop_fleet()
         except (RuntimeError, OSError, errors.TaskleaseError) as exc:  # the harness itself failed: say so
             chaos.figures.violations.append(f"the run stopped early: {type(exc).__name__}: {str(exc)[:300]}")
     finally:
