@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,23 @@ def test_what_only_the_kubernetes_package_reads_goes_to_it(tmp_path: Path) -> No
     found = connection.connect(kubeconfig=_kubeconfig(tmp_path, {"username": "ann", "password": "secret"}))
     assert found.authorization() == "Basic " + base64.b64encode(b"ann:secret").decode()
     assert found.namespace == "work" and found.kubernetes_configuration().host == "https://127.0.0.1:6443"
+
+
+def test_a_merged_kubeconfig_is_read_as_kubectl_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The context (and current-context) in one file, its cluster and user in another: kubectl's
+    # rules for $KUBECONFIG, the first file that sets a name wins.
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Config", "current-context": "here", "contexts": [
+        {"name": "here", "context": {"cluster": "c", "user": "u", "namespace": "work"}}]}))
+    second.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Config", "current-context": "elsewhere",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:6443", "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "abc"}}]}))
+    monkeypatch.setenv("KUBECONFIG", f"{first}{os.pathsep}{tmp_path / 'absent'}{os.pathsep}{second}")
+    found = connection.connect()
+    assert (found.host, found.namespace, found.authorization()) == ("https://127.0.0.1:6443", "work", "Bearer abc")
+    merged = str(second) + os.pathsep + str(first)  # the other order: the second file's current-context, unknown
+    with pytest.raises(errors.Unreachable, match="elsewhere"):
+        connection.connect(kubeconfig=merged)
 
 
 def test_the_agents_import_does_not_load_the_kubernetes_package() -> None:

@@ -4,7 +4,8 @@ The common cases are read here: a pod's service account (its token re-read as th
 rotates it), and a kubeconfig whose user has a client certificate or a token. Anything else
 a kubeconfig can say (an exec plugin, an auth provider, a proxy, several files in
 $KUBECONFIG) is read by the `kubernetes` package, imported only then: importing it costs
-every process a large part of its start-up time and memory, and an agent pod has many.
+every process a large part of its start-up time and memory, and an agent pod has many. Which
+context is current is decided here, by kubectl's rule (the first file that names one).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,25 @@ def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int)
                       kubeconfig=str(file), context=context_name)
 
 
+def _current_context(paths: list[str]) -> str | None:
+    """kubectl's current context of (merged) kubeconfig files: the first file's that names one."""
+    return next((str(doc["current-context"]) for doc in _docs(paths) if doc.get("current-context")), None)
+
+
+def _context(paths: list[str], name: str | None) -> dict[str, Any]:
+    """The context `name` of (merged) kubeconfig files: the first file's of that name."""
+    entries = (entry for doc in _docs(paths) for entry in doc.get("contexts") or [])
+    return next((entry.get("context") or {} for entry in entries if entry.get("name") == name), {})
+
+
+def _docs(paths: list[str]) -> Iterator[dict[str, Any]]:
+    """Each kubeconfig file of `paths` that exists (kubectl skips the others), in order."""
+    for path in paths:
+        file = Path(path).expanduser()
+        if file.is_file():
+            yield yaml.safe_load(file.read_text()) or {}
+
+
 def _named(doc: dict[str, Any], section: str, name: str, key: str) -> dict[str, Any]:
     for entry in doc.get(section) or []:
         if entry.get("name") == name:
@@ -179,13 +199,11 @@ def _kubernetes_configuration(kubeconfig: str | None, context: str | None, *, in
     if in_cluster:
         config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         return configuration, Path(f"{SA_DIR}/namespace").read_text().strip()
+    paths = [p for p in (kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep) if p]
+    name = context or _current_context(paths)  # named to it: it would take the last file's
     try:
-        config.load_kube_config(config_file=kubeconfig, context=context,  # type: ignore[no-untyped-call]
+        config.load_kube_config(config_file=kubeconfig, context=name,  # type: ignore[no-untyped-call]
                                 client_configuration=configuration)
-        _, active = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
     except config.ConfigException as exc:
         raise ValueError(str(exc)) from None
-    if context:
-        contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-        active = next((c for c in contexts if c.get("name") == context), active)
-    return configuration, (active or {}).get("context", {}).get("namespace") or "default"
+    return configuration, _context(paths, name).get("namespace") or "default"
