@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Final
 
 from tasklease.api import models
@@ -53,7 +53,7 @@ def best_key(task: JSON) -> tuple[int, str, str]:
             meta["name"])
 
 
-def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) -> Iterator[JSON]:
+def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, beside: Executor) -> Iterator[JSON]:
     """The Tasks `field_selector` selects, highest priority first (strict across the queue),
     oldest first within what a page of a band shows; read lazily, band by band, a page at a
     time. A caller that stops at the first task it can claim makes two LISTs at once: the
@@ -63,16 +63,16 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int) ->
     two more, of the tasks that could go first (no label, a higher rank). Those after the
     first two are served by the API server's watch cache once it is at least as fresh as the
     first page (`_since`), so they see every task the first page's snapshot holds: the order
-    is strict over every task that existed when the claim began."""
+    is strict over every task that existed when the claim began. `beside` reads the second
+    of the two LISTs while this thread reads the first."""
     # Asked beside the first page, as most tasks have the default priority: the tasks outside its
     # band. The API server scans the whole namespace for a selection that fills no page, so one
     # scan finds what is outside a band (`!=` selects a task without the label too); a guess
     # that is wrong fills its page at once.
-    with ThreadPoolExecutor(max_workers=1) as beside:
-        guess = beside.submit(_since, kube, namespace=namespace, field_selector=field_selector,
-                              labels=f"{LABEL_RANK}!={_DEFAULT_RANK}", version="", limit=page)
-        listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page)
-        outside_default = guess.result()
+    guess = beside.submit(_since, kube, namespace=namespace, field_selector=field_selector,
+                          labels=f"{LABEL_RANK}!={_DEFAULT_RANK}", version="", limit=page)
+    listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page)
+    outside_default = guess.result()
     first = listing.get("items", [])
     if not first:
         return

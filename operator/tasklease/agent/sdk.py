@@ -22,13 +22,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from types import TracebackType
 from typing import Any
 
 from pydantic import BaseModel
 
+from tasklease.agent.beside import Beside
 from tasklease.agent.cancel import Followers
 from tasklease.agent.claimed import ClaimedTask, Observer, Renewals
 from tasklease.agent.discovery import Candidate, QueueView, unheld_selector
@@ -73,6 +73,7 @@ class Agent:
             self.settings = dataclasses.replace(self.settings, best_of=best_of)
         self._followers = Followers(kube)
         self._renewals = Renewals()
+        self._beside = Beside()  # reads made beside a claim's own (`claim_once`, an early look)
         self._closed = threading.Event()
         self._views: dict[str, QueueView] = {}
         self._unshare: list[Callable[[], None]] = []
@@ -217,14 +218,14 @@ class Agent:
 
         A task due within what this process cannot yet tell of the server's clock (a new
         process has read few whole-second `Date`s) may be due already: one more look then."""
-        with ThreadPoolExecutor(max_workers=1) as beside:  # the queue's controls, read while its tasks are
-            controls = beside.submit(queue_controls, self.kube, namespace=self.namespace, queue=queue)
-            admit = OneShotAdmission(self.kube, controls, namespace=self.namespace, queue=queue,
-                                     holder=self.identity.holder)
+        # The queue's controls, read while its tasks are.
+        controls = self._beside.submit(queue_controls, self.kube, namespace=self.namespace, queue=queue)
+        admit = OneShotAdmission(self.kube, controls, namespace=self.namespace, queue=queue,
+                                 holder=self.identity.holder)
+        found = self._claim_pass(queue, interrupt, admit)
+        if isinstance(found, datetime) and (wait := self._unsure_wait(found)) is not None:
+            time.sleep(wait)
             found = self._claim_pass(queue, interrupt, admit)
-            if isinstance(found, datetime) and (wait := self._unsure_wait(found)) is not None:
-                time.sleep(wait)
-                found = self._claim_pass(queue, interrupt, admit)
         if isinstance(found, ClaimedTask):
             return found
         admit.give_back()
@@ -244,7 +245,7 @@ class Agent:
         becomes due (None: none is waiting for a time). `admit` before each claim write."""
         soonest: datetime | None = None
         for obj in best_first(self.kube, namespace=self.namespace, field_selector=unheld_selector(queue),
-                              page=self.settings.cli_page):
+                              page=self.settings.cli_page, beside=self._beside):
             task = TaskView.of(obj)
             rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
             for _ in range(_CLAIM_TRIES):
@@ -321,6 +322,7 @@ class Agent:
         self._gates.close()
         self._followers.close()
         self._renewals.close()
+        self._beside.shutdown(wait=False)
 
     def _check_open(self) -> None:
         if self._closed.is_set():
@@ -437,7 +439,7 @@ class Agent:
         try:
             for read, obj in enumerate(best_first(self.kube, namespace=self.namespace,
                                                   field_selector=unheld_selector(view.queue),
-                                                  page=self.settings.early_reads)):
+                                                  page=self.settings.early_reads, beside=self._beside)):
                 task = TaskView.of(obj)
                 if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
                     break
