@@ -12,8 +12,9 @@ time or size measured the same way:
 - the operator: writes per task and projection lag at 100 tasks/s; idle agents' wake-ups per
   renewal; recovery after SIGKILL (to the requeue, and to the next claim with a replacement of
   the same or a new pod name); cancel latency; etcd with and without fsync;
-- depth: the one-shot claim and the operator's memory at --cli-depth open tasks; the drain at
-  --depth open ÷ at --tasks open;
+- depth: the one-shot claim (`tasklease claim`'s path, timed in one process, as the GET + PUT
+  beside it) and the operator's memory at --cli-depth open tasks; the drain at --depth open ÷
+  at --tasks open;
 - scale, operator on: --scale tasks created by parallel raw writes, then 16 agents start
   together: start to first claim, agents' and operator's peak memory, the drain ÷ 500.
 BENCH_QUICK=1 (or --quick) shrinks every size for a run of minutes; the targets at sizes it does
