@@ -82,3 +82,13 @@ def test_a_module_run_as_a_script_defines_everything_before_it_runs() -> None:
             if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test) and i != len(body) - 1:
                 late.append(str(path.relative_to(ROOT)))
     assert late == []
+
+
+def test_make_unit_runs_every_file_that_has_unit_tests() -> None:
+    # `make unit` names its files (UNIT_TESTS): a file left out runs only beside a control plane,
+    # and a file named there without unit tests runs nothing.
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    listed = set(next(line for line in text.splitlines() if line.startswith("UNIT_TESTS :=")).split(":=")[1].split())
+    marked = {f"tests/{path.name}" for path in sorted((ROOT / "tests").glob("test_*.py"))
+              if path != Path(__file__) and "pytest.mark.unit" in path.read_text()}
+    assert listed == marked, f"only in UNIT_TESTS: {sorted(listed - marked)}; not in it: {sorted(marked - listed)}"
