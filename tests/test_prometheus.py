@@ -48,8 +48,10 @@ class Prometheus(Process):
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 return json.load(resp)
-        except urllib.error.HTTPError as exc:  # a bad query: 400 with Prometheus's reason
-            return json.load(exc)
+        except urllib.error.HTTPError as exc:
+            if exc.code not in (400, 422):  # 503 "Service Unavailable" while it starts: not answering yet
+                raise
+            return json.load(exc)  # a bad query: Prometheus's reason
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         answer = self.api("query", query=expr)
