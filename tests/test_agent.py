@@ -323,18 +323,21 @@ def _hold_the_task_list(kube: Kube, queue: str) -> tuple[threading.Event, list[i
     returned; the Task LISTs it makes (its reads of the best tasks before that list ends) are
     counted."""
     release, reads = threading.Event(), [0]
-    watch, first_page = kube.watch, kube.list
+    watch, request = kube.watch, kube.request
 
     def held(res: Any, **kwargs: Any) -> Iterator[JSON]:
         if res is TASKS and kwargs.get("field_selector") == task_selector(queue) and kwargs.get("initial_events"):
             assert release.wait(60), "the test never released the list"
         yield from watch(res, **kwargs)
 
-    def counted(res: Any, **kwargs: Any) -> JSON:
-        reads[0] += res is TASKS
-        return first_page(res, **kwargs)
+    def counted(method: str, path: str, **kwargs: Any) -> JSON:
+        # A read's first page: a LIST of the queue's Tasks with no label selector (the reads
+        # beside and after it select by rank).
+        query = kwargs.get("query") or {}
+        reads[0] += path == TASKS.path(kube.namespace) and "limit" in query and "labelSelector" not in query
+        return request(method, path, **kwargs)
     kube.watch = held  # type: ignore[method-assign]
-    kube.list = counted  # type: ignore[method-assign]
+    kube.request = counted  # type: ignore[method-assign]
     return release, reads
 
 

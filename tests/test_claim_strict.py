@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from conftest import Cluster, make_task
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.agent.producer import Producer
-from tasklease.agent.ranked import LABEL_RANK, rank
+from tasklease.agent.discovery import task_selector
+from tasklease.agent.ranked import LABEL_RANK, best_first, rank
 from tasklease.api import errors, models
 from tasklease.api.timestamps import format_time, now_utc
 from tasklease.kube import LEASES, TASKS, Kube
@@ -174,3 +177,31 @@ def test_a_new_process_claims_a_task_whose_backoff_ended_a_moment_ago(
     task = claim(fresh)
     assert (task.name, task.epoch) == ("just", 2)
     fresh.close()
+
+
+def test_a_look_served_by_the_watch_cache_as_it_is_is_strict_and_reads_pages(kube: Kube) -> None:
+    """A watching agent's first look (`fresh=False`) does not wait for the watch cache to reach
+    etcd (a consistent read): it asks for any version the cache holds. The API server still
+    answers it a page at a time, as `resourceVersion=0` would not (every selected Task in one
+    answer), and the order is still strict."""
+    producer = Producer(kube)
+    for i in range(30):
+        producer.submit(f"a-{i:02d}", models.TaskSpec(queue="cached"))
+    producer.submit("z-top", models.TaskSpec(queue="cached", priority=50))
+    real_request = kube.request
+    answers: list[tuple[dict[str, str | int], int]] = []
+
+    def recorded(method: str, path: str, **kw: Any) -> Any:
+        got = real_request(method, path, **kw)
+        if path.endswith("/tasks"):
+            answers.append((dict(kw.get("query") or {}), len(got.get("items", []))))
+        return got
+    kube.request = recorded  # type: ignore[method-assign]
+    with ThreadPoolExecutor(1) as beside:
+        found = best_first(kube, namespace=kube.namespace, field_selector=task_selector("cached"), page=5,
+                           beside=beside, fresh=False)
+        names = [next(found)["metadata"]["name"] for _ in range(3)]
+    assert names[0] == "z-top" and all(name.startswith("a-") for name in names[1:]), names
+    assert answers, "no LIST was made"
+    assert all(count <= 5 for _, count in answers), answers
+    assert all(query.get("resourceVersion") for query, _ in answers), answers  # none is a consistent read

@@ -27,6 +27,9 @@ OFFSET: Final = -int(_PRIORITY["minimum"])
 _CAP: Final = int(_PRIORITY["maximum"]) + OFFSET + 1  # above every rank
 _DEFAULT_PRIORITY: Final = int(_PRIORITY["default"])
 _DEFAULT_RANK: Final = _DEFAULT_PRIORITY + OFFSET
+# Not older than the first revision: whatever the watch cache holds now, at once, a page at a
+# time (`resourceVersion=0` would serve the same, but every selected Task in one answer).
+ANY_VERSION: Final = "1"
 
 
 def rank(priority: int) -> str:
@@ -53,7 +56,8 @@ def best_key(task: JSON) -> tuple[int, str, str]:
             meta["name"])
 
 
-def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, beside: Executor) -> Iterator[JSON]:
+def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, beside: Executor,
+               fresh: bool) -> Iterator[JSON]:
     """The Tasks `field_selector` selects, highest priority first (strict across the queue),
     oldest first within what a page of a band shows; read lazily, band by band, a page at a
     time. A caller that stops at the first task it can claim makes two LISTs at once: the
@@ -64,14 +68,21 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
     first two are served by the API server's watch cache once it is at least as fresh as the
     first page (`_since`), so they see every task the first page's snapshot holds: the order
     is strict over every task that existed when the claim began. `beside` reads the second
-    of the two LISTs while this thread reads the first."""
+    of the two LISTs while this thread reads the first.
+
+    `fresh=False`: the first two are served by the watch cache as it is, not as fresh as
+    etcd (`ANY_VERSION`), and the order is strict over what the cache held then. For a look
+    whose claim is checked anyway and which the agent's own list follows: a consistent read
+    waits for the cache to reach etcd's newest revision, and while many agents list a deep
+    queue at once the cache falls behind, the read falls back to etcd, and there times out."""
     # Asked beside the first page, as most tasks have the default priority: the tasks outside its
     # band. The API server scans the whole namespace for a selection that fills no page, so one
     # scan finds what is outside a band (`!=` selects a task without the label too); a guess
     # that is wrong fills its page at once.
+    start = "" if fresh else ANY_VERSION
     guess = beside.submit(_since, kube, namespace=namespace, field_selector=field_selector,
-                          labels=f"{LABEL_RANK}!={_DEFAULT_RANK}", version="", limit=page)
-    listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page)
+                          labels=f"{LABEL_RANK}!={_DEFAULT_RANK}", version=start, limit=page)
+    listing = _since(kube, namespace=namespace, field_selector=field_selector, labels="", version=start, limit=page)
     outside_default = guess.result()
     first = listing.get("items", [])
     if not first:
@@ -117,8 +128,10 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
 
 def _since(kube: Kube, *, namespace: str, field_selector: str, labels: str, version: str, limit: int = 0) -> JSON:
     """The selected Tasks (the first `limit` of them), from the watch cache once it has caught
-    up with `version`: a consistent LIST would first ask etcd for its newest revision."""
-    query: dict[str, str | int] = {"fieldSelector": field_selector, "labelSelector": labels}
+    up with `version`; with none, a consistent LIST (as fresh as etcd)."""
+    query: dict[str, str | int] = {"fieldSelector": field_selector}
+    if labels:
+        query["labelSelector"] = labels
     if version:
         query.update(resourceVersion=version, resourceVersionMatch="NotOlderThan")
     if limit:

@@ -245,7 +245,7 @@ class Agent:
         becomes due (None: none is waiting for a time). `admit` before each claim write."""
         soonest: datetime | None = None
         for obj in best_first(self.kube, namespace=self.namespace, field_selector=unheld_selector(queue),
-                              page=self.settings.cli_page, beside=self._beside):
+                              page=self.settings.cli_page, beside=self._beside, fresh=True):
             task = TaskView.of(obj)
             rec = None if task.status_attempt == 0 else self.protocol.read(task.namespace, task.name)
             for _ in range(_CLAIM_TRIES):
@@ -429,8 +429,8 @@ class Agent:
 
     def _early(self, view: QueueView) -> tuple[list[Candidate], float, bool]:
         """What to try while the queue's Tasks are still being listed (a deep queue takes a
-        while): the best band's first tasks as the API server has them now, read without
-        reading the queue (`ranked.best_first`, strict priority), ours first. Read until
+        while): the best band's first tasks as the API server's watch cache has them now, read
+        without reading the queue (`ranked.best_first`, strict priority), ours first. Read until
         `best_of` of one band may be claimed, or `early_reads` tasks: a band read that far
         without one may have more below, which only the index will tell."""
         now = self.kube.now()
@@ -439,7 +439,8 @@ class Agent:
         try:
             for read, obj in enumerate(best_first(self.kube, namespace=self.namespace,
                                                   field_selector=unheld_selector(view.queue),
-                                                  page=self.settings.early_reads, beside=self._beside)):
+                                                  page=self.settings.early_reads, beside=self._beside,
+                                                  fresh=False)):
                 task = TaskView.of(obj)
                 if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
                     break
