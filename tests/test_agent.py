@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.agent.discovery import task_selector
+from tasklease.agent.settings import AgentSettings
 from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
 from tasklease.kube import JSON, LEASES, TASKS, Kube
@@ -356,6 +357,37 @@ def test_before_its_list_ends_one_read_of_the_best_tasks_serves_many_claims(kube
             done.append(task.name)
         assert not release.is_set() and reads[0] == 1
         assert len(set(done)) == 10
+    finally:
+        release.set()
+        agent.close()
+
+
+def test_a_first_claim_reads_the_best_tasks_while_its_agent_joins_the_queue(kube: Kube) -> None:
+    """Joining (the member Lease written, then seen) and reading the best tasks are the first
+    claim's two slow steps at a deep queue; only judging what the read found needs the join,
+    so the read does not wait for it. The member Lease's creation is held here until the read
+    has begun (the join would wait up to a minute to see it)."""
+    make_task(kube, "joined", queue="joining")
+    release, _ = _hold_the_task_list(kube, "joining")
+    read_began = threading.Event()
+    held: list[bool] = []  # whether the read began while the member Lease's creation was held
+    request = kube.request
+
+    def observed(method: str, path: str, **kwargs: Any) -> JSON:
+        body = kwargs.get("body") or {}
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        if method == "POST" and path == LEASES.path(kube.namespace) and members.LABEL_AGENT_OF in labels:
+            held.append(read_began.wait(30))
+        elif method == "GET" and path == TASKS.path(kube.namespace) and "limit" in (kwargs.get("query") or {}):
+            read_began.set()
+        return request(method, path, **kwargs)
+    kube.request = observed  # type: ignore[method-assign]
+    agent = Agent(kube, identity=Identity(pod="joining-agent", instance="a"), settings=AgentSettings(join_s=60))
+    try:
+        task = agent.claim("joining", timeout=30)
+        assert held == [True], "the read of the best tasks waited for the join"
+        assert task.name == "joined" and not release.is_set()
+        task.complete("ok")
     finally:
         release.set()
         agent.close()

@@ -1,8 +1,12 @@
-"""Reads an agent makes beside its own: a queue's controls and a second LIST, read while the first is.
+"""Requests an agent makes beside its own: a queue's controls, a second LIST, its joining of a queue.
+
+The controls and the second LIST are read while the first LIST is; an agent joins a queue
+while its first look reads.
 
 They run on at most two threads, kept for the agent's life: a thread started and joined per
 claim would add its start and its join to every one-shot claim. Nothing run here waits for
-anything else run here, so two threads cannot deadlock however many callers share them.
+anything else run here (a join waits for its own member Lease in a watch, at most
+`AgentSettings.join_s`), so two threads cannot deadlock however many callers share them.
 """
 
 from __future__ import annotations

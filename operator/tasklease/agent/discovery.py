@@ -142,6 +142,7 @@ class QueueView:
         a silence, not a long list: every page that arrives gives it `timeout_s` more."""
         for r in self._reflectors[1:]:
             r.start()
+        for r in self._reflectors[1:]:  # both listed at once
             self._await(r, first_page=False, timeout_s=timeout_s)
         if tasks:
             self.start_tasks()

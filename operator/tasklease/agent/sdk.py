@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from types import TracebackType
 from typing import Any
@@ -40,7 +41,7 @@ from tasklease.agent.ranked import best_first
 from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
 from tasklease.api import errors
-from tasklease.kube import LEASES, Kube
+from tasklease.kube import JSON, LEASES, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record
 from tasklease.protocol.members import MemberLease
 
@@ -73,7 +74,7 @@ class Agent:
             self.settings = dataclasses.replace(self.settings, best_of=best_of)
         self._followers = Followers(kube)
         self._renewals = Renewals()
-        self._beside = Beside()  # reads made beside a claim's own (`claim_once`, an early look)
+        self._beside = Beside()  # requests made beside a claim's own (`claim_once`, a first look)
         self._closed = threading.Event()
         self._views: dict[str, QueueView] = {}
         self._unshare: list[Callable[[], None]] = []
@@ -162,7 +163,17 @@ class Agent:
         # started together would otherwise all list at once before any claims.
         view = self._view(queue, tasks=False)
         self._gates.open(queue)
-        member = self._join(view)
+        best: Iterator[JSON] | None = None
+        with self._views_lock:
+            joined = queue in self._members
+        if joined or view.listed:
+            member = self._join(view)
+        else:
+            # The first look's reads need no membership, only the judging of what they found
+            # does: the agent joins meanwhile.
+            joining = self._beside.submit(self._join, view)
+            best = self._best(view)
+            member = joining.result()
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
         while True:
@@ -172,7 +183,8 @@ class Agent:
             since = view.generation()
             listed = view.listed
             candidates, recheck, ours = self._kept(view, since, listed) or (
-                self._pick(view, member, stop) if listed else self._early(view))
+                self._pick(view, member, stop) if listed else self._early(view, best))
+            best = None
             view.start_tasks()
             admission = self._gates.admit(queue, wanted=bool(candidates))
             if admission.wait_s:  # paused, at its claim rate, or no slot free under maxRunning
@@ -427,20 +439,30 @@ class Agent:
         # next look offers our others), or a thief's pick.
         return candidates, self.settings.recheck_s, bool(division.ours)
 
-    def _early(self, view: QueueView) -> tuple[list[Candidate], float, bool]:
+    def _best(self, view: QueueView) -> Iterator[JSON]:
+        """The queue's open Tasks not projected Running, best first, as the API server's watch
+        cache has them now (`ranked.best_first`), its first reads made before this returns;
+        none when they fail (a loaded API server: the list goes on)."""
+        found = best_first(self.kube, namespace=self.namespace, field_selector=unheld_selector(view.queue),
+                           page=self.settings.early_reads, beside=self._beside, fresh=False)
+        try:
+            first = next(found, None)
+        except (errors.Unreachable, errors.ServerError) as exc:
+            log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
+            return iter(())
+        return iter(()) if first is None else itertools.chain([first], found)
+
+    def _early(self, view: QueueView, best: Iterator[JSON] | None) -> tuple[list[Candidate], float, bool]:
         """What to try while the queue's Tasks are still being listed (a deep queue takes a
-        while): the best band's first tasks as the API server's watch cache has them now, read
-        without reading the queue (`ranked.best_first`, strict priority), ours first. Read until
-        `best_of` of one band may be claimed, or `early_reads` tasks: a band read that far
-        without one may have more below, which only the index will tell."""
+        while): the best band's first tasks, read without reading the queue (`_best`, strict
+        priority; `best`: read already), ours first. Read until `best_of` of one band may be
+        claimed, or `early_reads` tasks: a band read that far without one may have more below,
+        which only the index will tell."""
         now = self.kube.now()
         tasks: list[TaskView] = []
         band: int | None = None
         try:
-            for read, obj in enumerate(best_first(self.kube, namespace=self.namespace,
-                                                  field_selector=unheld_selector(view.queue),
-                                                  page=self.settings.early_reads, beside=self._beside,
-                                                  fresh=False)):
+            for read, obj in enumerate(best if best is not None else self._best(view)):
                 task = TaskView.of(obj)
                 if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
                     break
