@@ -274,7 +274,7 @@ class Agent:
                     if due is not None and due > now and (soonest is None or due < soonest):
                         soonest = due
                     break
-                except (errors.Refused, errors.Invalid) as exc:  # see `_try`
+                except errors.Refused as exc:
                     log.info("passed over %s/%s: the API server refused its claim: %s", task.namespace, task.name, exc)
                     break
                 except errors.Conflict:
@@ -489,9 +489,7 @@ class Agent:
         for i, (task, rec) in enumerate(candidates[:self.settings.tries_per_look]):
             try:
                 held = self.protocol.claim(task, rec, self.identity.holder)
-            # Refused or Invalid: the API server's admission policy refused the write (its Lease
-            # breaks a rule; a policy's denial is a 422 unless the rule names another reason).
-            except (errors.Conflict, errors.NotClaimable, errors.Refused, errors.Invalid):
+            except (errors.Conflict, errors.NotClaimable, errors.Refused):  # Refused: its Lease breaks a rule
                 lost.append(task.name)  # another agent won; the next candidate is another task
                 view.mark_taken(task.name, rec)
                 continue
