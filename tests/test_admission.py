@@ -27,10 +27,13 @@ def _patch(kube: Kube, lease: dict[str, Any]) -> None:
     kube.merge_patch(LEASES, lease["metadata"]["name"], lease)
 
 
-def _refused(write: Any, message: str) -> None:
-    with pytest.raises(errors.TaskleaseError) as refused:
+def _refused(write: Any, message: str, *, standing: bool = False) -> None:
+    """Refused with `message`: for what the Lease already is (`standing`: a 403 a claim passes
+    over), or for what was written or who wrote it (a 422 that ends a claim)."""
+    with pytest.raises(errors.Invalid) as refused:
         write()
     assert message in str(refused.value), str(refused.value)
+    assert isinstance(refused.value, errors.Refused) is standing, repr(refused.value)
 
 
 def test_agents_cannot_break_the_protocol_even_by_hand(
@@ -62,19 +65,19 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
 
     takeover = copy.deepcopy(held)
     takeover["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
-    _refused(lambda: _patch(bob_kube, takeover), "this lease is held by another pod")
+    _refused(lambda: _patch(bob_kube, takeover), "this lease is held by another pod", standing=True)
     impersonation = copy.deepcopy(held)
     impersonation["spec"]["holderIdentity"] = "alice/evil"
     _refused(lambda: _patch(bob_kube, impersonation), "only hold a lease in its own pod's name")
     lowered = copy.deepcopy(held)
     lowered["spec"]["leaseTransitions"] = 0
-    _refused(lambda: _patch(alice_kube, lowered), "never goes down")
+    _refused(lambda: _patch(alice_kube, lowered), "never goes down", standing=True)
     handover = copy.deepcopy(held)
     handover["spec"]["holderIdentity"] = "alice/2"
-    _refused(lambda: _patch(alice_kube, handover), "cannot hand its lease")
+    _refused(lambda: _patch(alice_kube, handover), "cannot hand its lease", standing=True)
     more_attempts = copy.deepcopy(held)
     more_attempts["metadata"].setdefault("annotations", {})[record.ANN_BUDGET_FROM] = "7"
-    _refused(lambda: _patch(alice_kube, more_attempts), "cannot change tasklease.dev/budget-from")
+    _refused(lambda: _patch(alice_kube, more_attempts), "cannot change tasklease.dev/budget-from", standing=True)
     _refused(lambda: alice_kube.delete(LEASES, "guarded"), "a task's Lease is never deleted")
 
     task.complete("done")  # the holder's fair completion passes
@@ -82,7 +85,7 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
     assert blocker(view, record.decode(closed), now_utc()) is Blocker.CLOSED
     reopened = copy.deepcopy(closed)
     reopened["spec"].update(holderIdentity="bob/1", leaseTransitions=2)
-    _refused(lambda: _patch(bob_kube, reopened), "a finished task never runs again")
+    _refused(lambda: _patch(bob_kube, reopened), "a finished task never runs again", standing=True)
 
     unbound = Kube.connect(kubeconfig=str(service_account_kubeconfig(cluster, namespace, AGENT_SA,
                                                                      chart_roles["agent"], tmp_path)))

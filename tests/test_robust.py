@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from conftest import Cluster, Operator, Process, agent_pod_kubeconfig, make_task, tasklease_cmd, wait_for
 from fake_kube import FakeKube
+from tasklease.agent import Agent, Identity
 
 from tasklease.api import errors, models
 from tasklease.kube import EVENTS, JSON, LEASES, TASKS, Kube
@@ -195,10 +196,6 @@ def test_malformed_leases_stop_neither_a_loop_agent_nor_the_operator(
     for name in ("bad-history", "nested", "unknown-outcome", "bad-time"):
         wait_for(lambda name=name: "MalformedLease" in _events(kube, name), timeout=30,  # type: ignore[misc]
                  message=f"the operator to report {name}'s Lease")
-    # And written back without the outcome no one can read: until then the admission policy,
-    # which sees an outcome, refuses the claim an agent makes of a Lease it reads as free.
-    wait_for(lambda: record.ANN_OUTCOME not in (kube.get(LEASES, "unknown-outcome")["metadata"].get("annotations")
-                                                or {}), timeout=30, message="the unreadable outcome written back")
     config = agent_pod_kubeconfig(cluster, namespace, "looper-0", chart_roles["agent"], tmp_path)
     agent = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "r", "--loop", "--", "echo", "ok"),
                     log=tmp_path / "agent.log", env={"POD_NAME": "looper-0"})
@@ -216,6 +213,31 @@ def test_malformed_leases_stop_neither_a_loop_agent_nor_the_operator(
         agent.stop()
     assert operator.metric("tasklease_malformed_objects_total") >= 4
     assert operator.get("/readyz")[0] == 200
+
+
+def test_a_claim_refused_for_what_its_lease_already_is_passes_that_task_over(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path) -> None:
+    """A Lease whose outcome the agent cannot read looks free to it, but the admission policy
+    sees an outcome and refuses the claim: both claim paths pass that task over (no operator
+    here to write the Lease back first) and claim the next."""
+    make_task(kube, "exploded", queue="refused", priority=10)  # the best task: tried first
+    _bad_lease(kube, "exploded", {record.ANN_OUTCOME: "Exploded"})
+    make_task(kube, "fine-1", queue="refused")
+    make_task(kube, "fine-2", queue="refused")
+    config = agent_pod_kubeconfig(cluster, namespace, "refused-0", chart_roles["agent"], tmp_path)
+    agent = Agent(Kube.connect(kubeconfig=str(config)), identity=Identity(pod="refused-0", instance="a"))
+    try:
+        first = agent.claim_once("refused")  # `tasklease claim`
+        assert first.name.startswith("fine-")
+        first.complete("ok")
+        second = agent.claim("refused", timeout=30)  # a watching agent
+        assert second.name.startswith("fine-") and second.name != first.name
+        second.complete("ok")
+        with pytest.raises(errors.NothingToClaim):
+            agent.claim_once("refused")
+        assert record.decode(kube.get(LEASES, "exploded")).holder == ""  # refused each time: never held
+    finally:
+        agent.close()
 
 
 def test_a_result_too_long_for_the_status_is_cut_and_the_operator_stays_ready(

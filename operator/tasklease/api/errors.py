@@ -41,8 +41,6 @@ class Forbidden(TaskleaseError):
     meaning = "forbidden (RBAC)"
 
 
-class Refused(Forbidden):
-    """An admission policy refused this one write (403): a rule about the object, not our rights."""
 
 
 class Unreachable(TaskleaseError):
@@ -62,6 +60,12 @@ class Invalid(TaskleaseError):
 
     exit_code = 9
     meaning = "refused: invalid task, or not possible in its state"
+
+
+class Refused(Invalid):
+    """An admission policy refused this one write (403) because of what the object already
+    is, not because of what we wrote or who we are (those are `Invalid`, 422): to a claim,
+    one lost candidate (`policy.py` says which rules are which)."""
 
 
 class NotClaimable(Invalid):

@@ -235,7 +235,7 @@ class Reconciler:
                 if transient(exc):
                     log.warning("task %s/%s: %s; will retry", key[0], key[1], exc)
                     self.queue.retry(key, base_s=1.0)
-                elif isinstance(exc, errors.Forbidden | errors.CRDMissing) and not isinstance(exc, errors.Refused):
+                elif isinstance(exc, errors.Forbidden | errors.CRDMissing):
                     # Our rights or our CRD: every task is affected. Say so (readiness too);
                     # the task's next watch event brings it back.
                     self.problem = f"task {key[0]}/{key[1]}: {exc}"

@@ -197,8 +197,14 @@ _FROM_AN_AGENT: Final = [{"name": "from-an-agent", "expression": _Cel(
     f"request.userInfo.username.endsWith(':{_AGENT_SA}')")}]
 
 
-def _validation(expression: str, message: str) -> dict[str, str]:
-    return {"expression": _Cel(expression), "message": message}
+def _validation(expression: str, message: str, *, standing: bool = False) -> dict[str, str]:
+    """`standing`: a rule about what the Lease already is (its holder, outcome, epoch, history,
+    what never changes), refused as 403 Forbidden (`errors.Refused`); any other rule, about what
+    the agent wrote or who it is, keeps the default, 422 Invalid. An agent that cannot read part
+    of a Lease (an unknown outcome reads as none) may take it for free: its claim refused for
+    the Lease's standing passes that task over, while a refusal of its own write ends the claim."""
+    rule = {"expression": _Cel(expression), "message": message}
+    return {**rule, "reason": "Forbidden"} if standing else rule
 
 
 def _common() -> list[dict[str, str]]:
@@ -214,7 +220,7 @@ def _common() -> list[dict[str, str]]:
                     "(size(variables.holderUid) == 8 && variables.podUid.startsWith(variables.holderUid))",
                     "an agent may only name its own pod's uid in its holder identity"),
         _validation("variables.oldHolder == '' || variables.oldHolder.startsWith(variables.pod + '/')",
-                    "this lease is held by another pod"),
+                    "this lease is held by another pod", standing=True),
         _validation(f"size(variables.newHolder) <= {_bound(models.TaskStatus, 'holder', 'max_length')}",
                     "holderIdentity is longer than Task.status.holder allows "
                     f"({_bound(models.TaskStatus, 'holder', 'max_length')} characters)"),
@@ -223,8 +229,8 @@ def _common() -> list[dict[str, str]]:
 
 def _task() -> list[dict[str, str]]:
     """A task's Lease (docs/protocol.md): what an agent may write to one."""
-    def t(expression: str, message: str) -> dict[str, str]:
-        return _validation(f"variables.member || variables.slot || ({expression})", message)
+    def t(expression: str, message: str, *, standing: bool = False) -> dict[str, str]:
+        return _validation(f"variables.member || variables.slot || ({expression})", message, standing=standing)
 
     managed, queue, state, holder_pod = (record.LABEL_MANAGED, record.LABEL_QUEUE, record.LABEL_STATE,
                                          record.LABEL_HOLDER_POD)
@@ -235,21 +241,24 @@ def _task() -> list[dict[str, str]]:
         record.ANN_OUTCOME, record.ANN_REASON, record.ANN_RESULT, record.ANN_ERROR, record.ANN_NOT_BEFORE,
         record.ANN_BUDGET_FROM))
     return [
-        t("!variables.oldClosed", "this task's lease is closed: a finished task never runs again"),
-        t("variables.newEpoch >= variables.oldEpoch", "leaseTransitions (the fencing epoch) never goes down"),
+        t("!variables.oldClosed", "this task's lease is closed: a finished task never runs again",
+          standing=True),
+        t("variables.newEpoch >= variables.oldEpoch", "leaseTransitions (the fencing epoch) never goes down",
+          standing=True),
         # Where maxAttempts are counted from: only `tasklease retry` (a person) moves it.
         t(f"{_ann(record.ANN_BUDGET_FROM)} == {_ann(record.ANN_BUDGET_FROM, 'oldAnn')}",
-          f"an agent cannot change {record.ANN_BUDGET_FROM} (only `tasklease retry` grants new attempts)"),
+          f"an agent cannot change {record.ANN_BUDGET_FROM} (only `tasklease retry` grants new attempts)",
+          standing=True),
         t(f"oldObject != null || (variables.newHolder != '' && variables.newEpoch >= 1 && {claim_only})",
           "an agent creates a task's Lease only to claim it: held in its own pod's name, leaseTransitions "
           "1 or more, no outcome, reason, result, error, not-before or budget-from"),
         t("oldObject == null || variables.oldHolder != '' || "
           "(variables.newHolder != '' && variables.outcome == '' && variables.newEpoch == variables.oldTop + 1)",
           "a free lease accepts only a claim: held in the agent's own pod's name, no outcome, and "
-          "leaseTransitions one above the highest attempt the Lease remembers"),
+          "leaseTransitions one above the highest attempt the Lease remembers", standing=True),
         t("variables.oldHolder == '' || variables.newHolder == '' || "
           "(variables.newHolder == variables.oldHolder && variables.newEpoch == variables.oldEpoch)",
-          "a holder cannot hand its lease to another holder or change its epoch"),
+          "a holder cannot hand its lease to another holder or change its epoch", standing=True),
         t("variables.oldHolder == '' || variables.newHolder != '' || variables.newEpoch == variables.oldEpoch",
           "a holder ends its attempt at its own epoch"),
         t(f"{_label(managed)} == 'tasklease'",
@@ -260,11 +269,11 @@ def _task() -> list[dict[str, str]]:
           "variables.owners[0].name == object.metadata.name && variables.owners[0].uid != ''",
           f"a task's Lease has exactly one ownerReference: its {_TASK_REF} {models.KIND} of the same name"),
         t("oldObject == null || variables.owners == variables.oldOwners",
-          "the ownerReferences of a task's Lease cannot change"),
+          "the ownerReferences of a task's Lease cannot change", standing=True),
         t(f"size({_label(queue)}) <= {_QUEUE_MAX} && {_label(queue)}.matches({_raw(models.DNS_LABEL)})",
           f"the label {queue} must name the Task's queue (a DNS label)"),
         t(f"!({_str(queue)} in variables.oldLabels) || {_label(queue)} == {_label(queue, 'oldLabels')}",
-          f"the label {queue} cannot change (a task stays in its queue)"),
+          f"the label {queue} cannot change (a task stays in its queue)", standing=True),
         t(f"{_label(state)} == variables.state",
           f"the label {state} must say what the Lease is: {record.CLOSED} with an outcome, "
           f"{record.HELD} with a holder, {record.FREE} otherwise"),
