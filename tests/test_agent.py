@@ -362,6 +362,39 @@ def test_before_its_list_ends_one_read_of_the_best_tasks_serves_many_claims(kube
         agent.close()
 
 
+def test_before_its_list_ends_a_lost_round_is_judged_again_from_the_same_read(kube: Kube) -> None:
+    """An agent that loses its first picks to peers (they count fewer members, so some of its
+    tasks are theirs too) tries the rest of the same read, judged again: another read would
+    take seconds at a deep queue while every agent lists it."""
+    for i in range(12):
+        make_task(kube, f"lost-{i:02d}", queue="lost")
+    release, reads = _hold_the_task_list(kube, "lost")
+    request = kube.request
+    beaten: list[str] = []
+
+    def a_peer_first(method: str, path: str, **kwargs: Any) -> JSON:
+        body = kwargs.get("body") or {}
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        if method == "POST" and path == LEASES.path(kube.namespace) and labels.get(record.LABEL_MANAGED) \
+                and len(beaten) < AgentSettings().tries_per_look:  # a whole round lost
+            peer = json.loads(json.dumps(body))
+            peer["spec"]["holderIdentity"] = "peer-pod/1"
+            peer["metadata"]["labels"][record.LABEL_HOLDER_POD] = "peer-pod"
+            request(method, path, **{**kwargs, "body": peer})
+            beaten.append(body["metadata"]["name"])
+        return request(method, path, **kwargs)
+    kube.request = a_peer_first  # type: ignore[method-assign]
+    agent = Agent(kube, identity=Identity(pod="lost-agent", instance="a"))
+    try:
+        task = agent.claim("lost", timeout=30)
+        assert len(beaten) == AgentSettings().tries_per_look and task.name not in beaten
+        assert not release.is_set() and reads[0] == 1, "a lost round read the queue again"
+        task.complete("ok")
+    finally:
+        release.set()
+        agent.close()
+
+
 def test_a_first_claim_reads_the_best_tasks_while_its_agent_joins_the_queue(kube: Kube) -> None:
     """Joining (the member Lease written, then seen) and reading the best tasks are the first
     claim's two slow steps at a deep queue; only judging what the read found needs the join,

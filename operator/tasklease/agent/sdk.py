@@ -82,9 +82,10 @@ class Agent:
         self._member_writes = Writes()  # of the memberships closed
         self._claims: weakref.WeakSet[ClaimedTask] = weakref.WeakSet()
         # Per queue: the rest of a look's own candidates, and the view's generation it was made
-        # at (None: read before the list ended). Until something becomes claimable (the
-        # generation moves) those still candidates are still our best: only we take ours. One
-        # look serves several claims (`_kept`).
+        # at. Until something becomes claimable (the generation moves) those still candidates
+        # are still our best: only we take ours. One look serves several claims (`_kept`).
+        # Generation None: every task a read made before the list ended found (`_early`), judged
+        # again on each use, after a lost round too, until the list ends.
         self._next: dict[str, tuple[int | None, list[Candidate]]] = {}
         self._views_lock = threading.Lock()
         self._gates = Gates(kube, namespace=self.namespace, holder=self.identity.holder)  # TaskQueue controls
@@ -192,9 +193,9 @@ class Agent:
             claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
             self._gates.bind(queue, admission, claimed)
             if claimed is not None:
-                if rest and ours:
+                if rest and ours and listed:  # an early read is kept whole (`_early`)
                     with self._views_lock:
-                        self._next[queue] = (since if listed else None, rest)
+                        self._next[queue] = (since, rest)
                 return claimed
             wait = recheck
             if lost:
@@ -401,8 +402,10 @@ class Agent:
     def _kept(self, view: QueueView, generation: int, listed: bool) -> tuple[list[Candidate], float, bool] | None:
         """The rest of the last look's own candidates that may still be claimed: from the index,
         if nothing became claimable since; from a read made before the list ended (`_early`,
-        generation None), while it has not ended, judged again by what the view knows now. One
-        early read serves many claims: each costs the API server a scan of the queue."""
+        generation None), while it has not ended and some of it is ours, judged again by what
+        the view knows now (the peers that joined since, the tasks they took). One early read
+        serves many claims and outlives lost races: each read costs the API server a scan of
+        the queue, and takes seconds at a deep one while the agents list it."""
         with self._views_lock:
             kept = self._next.pop(view.queue, None)
         if kept is None or (kept[0] is None) == listed or (listed and kept[0] != generation):
@@ -410,7 +413,11 @@ class Agent:
         now = self.kube.now()
         if kept[0] is None:
             candidates, division = view.unlisted([task for task, _ in kept[1]], self.identity.holder, now)
-            return (candidates, self.settings.early_s, True) if candidates and division.ours else None
+            if not (candidates and division.ours):
+                return None
+            with self._views_lock:
+                self._next[view.queue] = kept
+            return candidates, self.settings.early_s, True
         candidates = view.still([task.name for task, _ in kept[1]], now)
         return (candidates, self.settings.recheck_s, True) if candidates else None
 
@@ -474,6 +481,8 @@ class Agent:
         except (errors.Unreachable, errors.ServerError) as exc:  # a loaded API server: the list goes on
             log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
             return [], self.settings.early_s, False
+        with self._views_lock:
+            self._next[view.queue] = (None, [(task, None) for task in tasks])
         candidates, division = view.unlisted(tasks, self.identity.holder, now)
         return candidates, self.settings.early_s, bool(division.ours)
 
