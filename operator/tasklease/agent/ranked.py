@@ -14,7 +14,7 @@ with, for this path only.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Final
 
@@ -65,10 +65,10 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
     another rank), usually short. Only when that is more than a page does it take one more,
     of every task outside the first page's best band, and when that too is more than a page,
     two more, of the tasks that could go first (no label, a higher rank). Those after the
-    first two are served by the API server's watch cache once it is at least as fresh as the
-    first page (`_since`), so they see every task the first page's snapshot holds: the order
-    is strict over every task that existed when the claim began. `beside` reads the second
-    of the two LISTs while this thread reads the first.
+    first two (and the pages of a band read on) are served by the API server's watch cache
+    once it is at least as fresh as the first page (`_since`), so they see every task the
+    first page's snapshot holds: the order is strict over every task that existed when the
+    claim began. `beside` reads the second of the two LISTs while this thread reads the first.
 
     `fresh=False`: the first two are served by the watch cache as it is, not as fresh as
     etcd (`ANY_VERSION`), and the order is strict over what the cache held then. For a look
@@ -110,7 +110,7 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
     while True:
         band = max((r for r in (*map(_rank_of, pool.values()), *unread) if r < ceiling), default=None)
         if ceiling <= seen and not whole:  # labelled tasks below the first page's best band were not read
-            labelled = _top(kube, namespace=namespace, field_selector=field_selector, page=page, below=ceiling)
+            labelled = _top(since, page=page, below=ceiling)
             band = max((r for r in (band, labelled) if r is not None), default=None)
         if band is None:
             return
@@ -119,35 +119,49 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
             given.add(task["metadata"]["name"])
             yield task
         if band == seen or (band < seen and not whole):  # the band was read in part
-            for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
-                                         label_selector=f"{LABEL_RANK}={band}", limit=page):
+            for found in _pages(since, labels=f"{LABEL_RANK}={band}", limit=page):
                 yield from sorted((t for t in found.get("items", []) if t["metadata"]["name"] not in given),
                                   key=best_key)
         ceiling = band
 
 
-def _since(kube: Kube, *, namespace: str, field_selector: str, labels: str, version: str, limit: int = 0) -> JSON:
+def _since(kube: Kube, *, namespace: str, field_selector: str, labels: str, version: str, limit: int = 0,
+           token: str = "") -> JSON:
     """The selected Tasks (the first `limit` of them), from the watch cache once it has caught
-    up with `version`; with none, a consistent LIST (as fresh as etcd)."""
+    up with `version`; with none, a consistent LIST (as fresh as etcd). With `token`, the page
+    after the one that gave it, from the same snapshot."""
     query: dict[str, str | int] = {"fieldSelector": field_selector}
     if labels:
         query["labelSelector"] = labels
-    if version:
+    if token:
+        query["continue"] = token  # the snapshot is the token's: no version goes with it
+    elif version:
         query.update(resourceVersion=version, resourceVersionMatch="NotOlderThan")
     if limit:
         query["limit"] = limit
     return kube.request("GET", TASKS.path(namespace), query=query)
 
 
-def _top(kube: Kube, *, namespace: str, field_selector: str, page: int, below: int | None) -> int | None:
+def _pages(since: Callable[..., JSON], *, labels: str, limit: int) -> Iterator[JSON]:
+    """The selected Tasks a page at a time: the first as `since` reads it, the rest by its
+    continue token (from the same snapshot)."""
+    token = ""
+    while True:
+        found = since(labels=labels, limit=limit, token=token)
+        yield found
+        token = (found.get("metadata") or {}).get("continue", "")
+        if not token:
+            return
+
+
+def _top(since: Callable[..., JSON], *, page: int, below: int | None) -> int | None:
     """The highest rank below `below` (None: any) of a selected task; None when there is none.
     Each LIST asks for a rank above the best seen so far: one more than the bands there are
     above the first page's best, and usually two in all."""
     bound = f"{LABEL_RANK}<{_CAP if below is None else below}"
     selector, best = bound, None
     while True:
-        ranks = [_int(task) for task in kube.list(TASKS, namespace=namespace, field_selector=field_selector,
-                                                  label_selector=selector, limit=page).get("items", [])]
+        ranks = [_int(task) for task in since(labels=selector, limit=page).get("items", [])]
         higher = [r for r in ranks if r is not None and (best is None or r > best)]
         if not higher:
             return best
