@@ -85,7 +85,8 @@ class Agent:
         # at. Until something becomes claimable (the generation moves) those still candidates
         # are still our best: only we take ours. One look serves several claims (`_kept`).
         # Generation None: every task a read made before the list ended found (`_early`), judged
-        # again on each use, after a lost round too, until the list ends.
+        # again on each use, also after the read's own round was lost (the peers that joined since
+        # may own what looked ours), until a round from it is lost or the list ends.
         self._next: dict[str, tuple[int | None, list[Candidate]]] = {}
         self._views_lock = threading.Lock()
         self._gates = Gates(kube, namespace=self.namespace, holder=self.identity.holder)  # TaskQueue controls
@@ -183,7 +184,8 @@ class Agent:
                 raise errors.NothingToClaim("stopped")
             since = view.generation()
             listed = view.listed
-            candidates, recheck, ours = self._kept(view, since, listed) or (
+            kept = self._kept(view, since, listed)
+            candidates, recheck, ours = kept or (
                 self._pick(view, member, stop) if listed else self._early(view, best))
             best = None
             view.start_tasks()
@@ -199,6 +201,9 @@ class Agent:
                 return claimed
             wait = recheck
             if lost:
+                if kept is not None and not listed:  # an early read lost again: too stale, read anew
+                    with self._views_lock:
+                        self._next.pop(queue, None)
                 rounds_lost += 1
                 if rounds_lost < settings.lost_rounds and (view.claimable_count() or not listed):
                     continue  # the lost ones left the index: the next look offers others
@@ -404,8 +409,8 @@ class Agent:
         if nothing became claimable since; from a read made before the list ended (`_early`,
         generation None), while it has not ended and some of it is ours, judged again by what
         the view knows now (the peers that joined since, the tasks they took). One early read
-        serves many claims and outlives lost races: each read costs the API server a scan of
-        the queue, and takes seconds at a deep one while the agents list it."""
+        serves many claims, and a second round when its first is lost: each read costs the API
+        server a scan of the queue, and takes seconds at a deep one while the agents list it."""
         with self._views_lock:
             kept = self._next.pop(view.queue, None)
         if kept is None or (kept[0] is None) == listed or (listed and kept[0] != generation):
