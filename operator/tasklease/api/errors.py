@@ -41,8 +41,6 @@ class Forbidden(TaskleaseError):
     meaning = "forbidden (RBAC)"
 
 
-
-
 class Unreachable(TaskleaseError):
     """No cluster configuration, or the API server does not answer."""
 
