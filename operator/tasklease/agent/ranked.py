@@ -119,39 +119,24 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
             given.add(task["metadata"]["name"])
             yield task
         if band == seen or (band < seen and not whole):  # the band was read in part
-            for found in _pages(since, labels=f"{LABEL_RANK}={band}", limit=page):
+            for found in kube.list_pages(TASKS, namespace=namespace, field_selector=field_selector,
+                                         label_selector=f"{LABEL_RANK}={band}", limit=page, not_older_than=version):
                 yield from sorted((t for t in found.get("items", []) if t["metadata"]["name"] not in given),
                                   key=best_key)
         ceiling = band
 
 
-def _since(kube: Kube, *, namespace: str, field_selector: str, labels: str, version: str, limit: int = 0,
-           token: str = "") -> JSON:
+def _since(kube: Kube, *, namespace: str, field_selector: str, labels: str, version: str, limit: int = 0) -> JSON:
     """The selected Tasks (the first `limit` of them), from the watch cache once it has caught
-    up with `version`; with none, a consistent LIST (as fresh as etcd). With `token`, the page
-    after the one that gave it, from the same snapshot."""
+    up with `version`; with none, a consistent LIST (as fresh as etcd)."""
     query: dict[str, str | int] = {"fieldSelector": field_selector}
     if labels:
         query["labelSelector"] = labels
-    if token:
-        query["continue"] = token  # the snapshot is the token's: no version goes with it
-    elif version:
+    if version:
         query.update(resourceVersion=version, resourceVersionMatch="NotOlderThan")
     if limit:
         query["limit"] = limit
     return kube.request("GET", TASKS.path(namespace), query=query)
-
-
-def _pages(since: Callable[..., JSON], *, labels: str, limit: int) -> Iterator[JSON]:
-    """The selected Tasks a page at a time: the first as `since` reads it, the rest by its
-    continue token (from the same snapshot)."""
-    token = ""
-    while True:
-        found = since(labels=labels, limit=limit, token=token)
-        yield found
-        token = (found.get("metadata") or {}).get("continue", "")
-        if not token:
-            return
 
 
 def _top(since: Callable[..., JSON], *, page: int, below: int | None) -> int | None:

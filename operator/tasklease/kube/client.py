@@ -150,17 +150,20 @@ class Kube:
 
     def list_pages(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
                    label_selector: str = "", field_selector: str = "", limit: int = _PAGE,
-                   timeout: float = 30, start: str = "", stream: bool = False) -> Iterator[JSON]:
+                   timeout: float = 30, start: str = "", stream: bool = False,
+                   not_older_than: str = "") -> Iterator[JSON]:
         """A LIST in pages of at most `limit` objects (`limit`/`continue`), all from one snapshot:
         the server never builds, and we never hold, one answer for a whole large queue. A
         snapshot compacted mid-way raises Gone, whose `resume` lists the rest when passed as
         `start` (a continue token to begin from). With `stream`, each page's `items` is an
         iterator that decodes them one at a time (`decode.loads_page`): the caller iterates it to
-        its end before it asks for the next page."""
+        its end before it asks for the next page. With `not_older_than` (a resourceVersion), the
+        snapshot is the watch cache's once it has reached that version, not a consistent read."""
         ns = None if all_namespaces else (namespace or self.namespace)
-        query: dict[str, Any] = {**_selectors(label_selector, field_selector), "limit": limit}
-        if start:
-            query["continue"] = start
+        base: dict[str, Any] = {**_selectors(label_selector, field_selector), "limit": limit}
+        query = {**base, "continue": start} if start else dict(base)
+        if not start and not_older_than:
+            query.update(resourceVersion=not_older_than, resourceVersionMatch="NotOlderThan")
         while True:
             page = self._page(res.path(ns), query, timeout) if stream else \
                 self.request("GET", res.path(ns), query=query, timeout=timeout)
@@ -168,7 +171,7 @@ class Kube:
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return
-            query["continue"] = token
+            query = {**base, "continue": token}  # the token names the snapshot: no version with it
 
     def _page(self, path: str, query: dict[str, Any], timeout: float) -> JSON:
         resp = self._send("GET", path, query=query, body=None, content_type="application/json", timeout=timeout)
