@@ -220,6 +220,41 @@ def test_a_server_that_refuses_streaming_lists_gets_a_paginated_list(kube: Kube)
     assert not reflector.watch_list and reflector.lists == 1 and set(reflector.store) == {"r-0"}
 
 
+def test_a_streaming_list_cut_short_by_the_server_goes_on_in_pages_that_time(kube: Kube) -> None:
+    """An API server ends the stream of a reader that falls behind the changes made while it
+    lists (its stream then simply ends): that list is made in pages, and misses nothing; the
+    next list streams again."""
+    for i in range(5):
+        kube.create(LEASES, lease(f"c-{i}", "cut"))
+    watch = kube.watch
+    cut: list[int] = []
+
+    def first_two(events: Iterator[JSON]) -> Iterator[JSON]:
+        try:
+            for event in events:
+                if len(cut) == 2:
+                    return  # the server ended the stream here, before the bookmark that ends the list
+                cut.append(1)
+                yield event
+        finally:
+            events.close()  # type: ignore[attr-defined]
+
+    def cutting(*args: object, initial_events: bool = False, **kwargs: object) -> Iterator[JSON]:
+        events = watch(*args, initial_events=initial_events, **kwargs)  # type: ignore[arg-type]
+        return first_two(events) if initial_events and not cut else events
+    kube.watch = cutting  # type: ignore[method-assign]
+    seen = Seen()
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=seen, label_selector="test=cut",
+                          watch_list=True)
+    reflector.start()
+    assert reflector.synced.wait(30)
+    assert reflector.cut_short == 1 and reflector.lists == 1 and reflector.watch_list  # the next list streams
+    assert set(reflector.store) == {f"c-{i}" for i in range(5)}
+    kube.create(LEASES, lease("c-late", "cut"))
+    wait_for(lambda: "ADDED c-late" in seen, message="a change after the list")
+    reflector.stop()
+
+
 def test_a_watch_quiet_for_longer_than_the_read_timeout_ends_as_if_closed(
         kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     """No event and no bookmark for the client's read timeout (an idle queue's TaskQueue): the

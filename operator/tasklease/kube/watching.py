@@ -12,7 +12,9 @@ error (no rights, no CRD) stops the thread with `error` set, logged once.
 Kubernetes 1.32): the selected objects arrive as the first events of a watch, served from
 the API server's watch cache in one response, and the watch goes on in it. A paginated list
 is a request per page, each read from etcd when the cache cannot serve it; many agents
-listing a deep queue at once make thousands. A server that refuses it gets a paginated list.
+listing a deep queue at once make thousands. A server that refuses it gets a paginated list,
+and so does, that time, a streaming list the server cuts short (it ends the stream of a reader
+that falls behind the changes made while it lists).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Reflector:
         self.watches = 0  # watch requests made: one more each time a stream ends
         self.pages = 0  # LIST pages received: a long first list shows its progress here
         self.resumed = 0  # lists that outlived their snapshot and went on at a newer version
+        self.cut_short = 0  # streaming lists the API server ended before their last object
         self._stop = threading.Event()
         self._rv = since
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
@@ -87,21 +90,11 @@ class Reflector:
         backoff = Backoff(base_s=0.5, cap_s=30.0)
         while not self._stop.is_set():
             try:
-                if not self._rv and self.watch_list:
-                    self._stream()
-                else:
-                    if not self._rv:
-                        self._relist()
-                    self._watch()
+                self._list_and_watch()
                 backoff.reset()  # a stream that ended normally: resume at once
             except errors.Gone:
                 self._rv = ""
             except errors.TaskleaseError as exc:
-                if self.watch_list and isinstance(exc, errors.Invalid):
-                    log.info("the API server does not stream lists of %s (%s); listing in pages",
-                             self.resource.plural, exc)
-                    self.watch_list = False
-                    continue
                 self.error = exc
                 if not transient(exc):
                     log.error("watch of %s stopped: %s", self.resource.plural, exc)
@@ -116,6 +109,30 @@ class Reflector:
                 delay = backoff.next()
                 log.error("watch of %s failed: %s; resuming in %.1fs", self.resource.plural, exc, delay)
                 self._stop.wait(delay)
+
+    def _list_and_watch(self) -> None:
+        """A list when there is no version to resume from (a streaming one if it can), then the
+        watch, until its stream ends."""
+        if not self._rv and self.watch_list:
+            try:
+                if self._stream() or self._stop.is_set():
+                    return  # listed, and watched in the same response until it ended
+                # Cut short before its list ended: an API server ends the stream of a reader
+                # that falls behind the changes made while it lists (a deep queue, listed by many
+                # agents at once while it drains). Streamed again it could be cut again: this
+                # time it is listed in pages, which no change cuts, as client-go does.
+                self.cut_short += 1
+                log.info("the streaming list of %s was cut short by the API server; listing in pages",
+                         self.resource.plural)
+            except errors.Invalid as exc:
+                log.info("the API server does not stream lists of %s (%s); listing in pages",
+                         self.resource.plural, exc)
+                self.watch_list = False
+            if self._stop.is_set():
+                return
+        if not self._rv:
+            self._relist()
+        self._watch()
 
     def has(self, name: str) -> bool:
         """Whether the object `name` is in the picture (in `known`, when the listener keeps it)."""
@@ -157,9 +174,10 @@ class Reflector:
                 start = exc.resume
         self._listed(seen, since, before)
 
-    def _stream(self) -> None:
-        """A streaming list, then the watch goes on in the same response. Until the bookmark
-        that ends the list, a broken stream is a list to start again (`_rv` stays empty)."""
+    def _stream(self) -> bool:
+        """A streaming list, then the watch goes on in the same response. Whether the list
+        ended: until the bookmark that ends it, a broken stream is a list to start again (`_rv`
+        stays empty)."""
         before = self.known() if self.known is not None else self.store
         seen: set[str] | None = set() if before else None
         listed = 0
@@ -168,7 +186,7 @@ class Reflector:
                                      label_selector=self.label_selector, field_selector=self.field_selector,
                                      timeout_s=self.watch_timeout_s, initial_events=True):
             if self._stop.is_set():
-                return
+                return bool(self._rv)
             kind, obj = event["type"], event["object"]
             if self._rv or kind == "ERROR":
                 self._event(kind, obj)
@@ -185,8 +203,7 @@ class Reflector:
                 listed += 1
                 if listed % self.page_size == 0:
                     self.pages += 1
-        if not self._rv and not self._stop.is_set():
-            raise errors.Invalid(f"the watch of {self.resource.plural} ended before its initial events did")
+        return bool(self._rv)
 
     def _listed(self, seen: set[str] | None, version: str, before: Collection[str]) -> None:
         """A first list has ended at `version`: what was there `before` and is not in it was
