@@ -118,6 +118,15 @@ def test_the_projection_leaves_a_terminal_phase_only_after_a_retry() -> None:
     assert "Retried" in [t.reason for t in projection.transitions(old, new)]
 
 
+def test_a_held_task_reads_pod_bound_while_its_lease_is_bound_to_its_holders_pod() -> None:
+    held = claimed(_task(), None, "pod/1", NOW)
+    task = _task_json(models.TaskStatus())
+    assert projection.project(task, held, old=models.TaskStatus(), now=NOW).reason == "Held"
+    bound = projection.project(task, replace(held, pod_bound="1234-uid"), old=models.TaskStatus(), now=NOW)
+    assert (bound.phase, bound.reason) == (models.Phase.RUNNING, "PodBound")
+    assert {c.type: c.reason for c in bound.conditions}["Held"] == "PodBound"
+
+
 def test_a_scheduled_task_is_projected_with_its_start_time() -> None:
     later = NOW + timedelta(minutes=5)
     status = projection.project(_task_json(models.TaskStatus(), notBefore=later.isoformat()), None,

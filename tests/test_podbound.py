@@ -20,7 +20,7 @@ import pytest
 from conftest import (AGENT_SA, NEVER_SCHEDULED, Cluster, Operator, make_task,
                       service_account_kubeconfig, tasklease_cmd, wait_for)
 from tasklease.api.timestamps import format_time, now_utc
-from tasklease.kube import EVENTS, LEASES, PODS, Kube
+from tasklease.kube import EVENTS, LEASES, PODS, TASKS, Kube
 from tasklease.protocol import record
 
 # -- a real operator ---------------------------------------------------------------------------------
@@ -103,6 +103,7 @@ def test_a_bound_lease_lives_without_renewals_and_ends_with_its_container(
     assert op.metric("tasklease_pod_bound_renewals_total") >= 4
     reasons = [e["reason"] for e in admin.list(EVENTS, field_selector="involvedObject.name=long")["items"]]
     assert "PodBound" in reasons
+    assert (admin.get(TASKS, "long").get("status") or {}).get("reason") == "PodBound"  # `kubectl get -o wide`
     # Its container restarts: the attempt ends at once, by the operator.
     shell_pod.status(restarts=1)
     took = _freed_within(admin, "long", 1, time.monotonic())

@@ -88,7 +88,9 @@ def _from_lease(rec: LeaseRecord) -> TaskStatus:
     if rec.state == record.HELD:
         # Not renewTime: the status changes when the holder changes, never per heartbeat
         # (a write per renewal would reach every watcher of the Task). The Lease has it.
-        status.phase, status.reason = Phase.RUNNING, "Held"
+        # A lease bound to its holder's Pod has no heartbeat of the holder's own: the reason
+        # says so, for `kubectl get -o wide` (docs/pod-bound.md).
+        status.phase, status.reason = Phase.RUNNING, "PodBound" if rec.pod_bound else "Held"
         status.holder = _fit(rec.holder, record.MAX_HOLDER_CHARS)
     elif rec.state == record.CLOSED:
         status.phase, status.reason = Phase(rec.outcome), _fit(rec.reason, record.MAX_REASON_CHARS)
