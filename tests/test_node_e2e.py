@@ -503,22 +503,26 @@ def test_pod_bound_task_is_requeued_within_a_second_of_its_pods_deletion(e2e: E2
 def test_pod_bound_task_is_requeued_within_a_second_of_a_container_restart(e2e: E2E) -> None:
     kube = _pod_bound_ready(e2e)
     _pod_bound_shell(e2e, kube, "pod-bound-restarted", "wait", lease_s=30)
-    e2e.kubectl("exec", "-n", NS, "pod-bound-restarted", "--", "touch", "/tmp/die")
+    try:
+        e2e.kubectl("exec", "-n", NS, "pod-bound-restarted", "--", "touch", "/tmp/die")
 
-    def stopped() -> bool:
-        statuses = kube.get(PODS, "pod-bound-restarted", namespace=NS).get("status", {}).get("containerStatuses", [])
-        return any(c.get("restartCount", 0) > 0 or "running" not in (c.get("state") or {}) for c in statuses)
-    wait_for(stopped, timeout=60, interval=0.02, message="the container's exit in the Pod's status")
-    seen_at = time.monotonic()
-    took = max(_attempt_over(kube, "pod-bound-restarted", 1) - seen_at, 0.0)
-    e2e.figures["pod-bound, container restarted → requeued"] = f"{took:.2f}s after the API server showed it"
-    assert took < 1, f"{took:.2f}s from the container's restart to the requeue"
-    first = wait_for(lambda: (a := _first_attempt(e2e, "pod-bound-restarted")).get("outcome") and a, timeout=30,
-                     interval=0.2, message="the expiry projected into the Task's status")
-    assert first["outcome"] == "Expired" and "container work" in first["message"], first
-    wait_for(lambda: e2e.json("pod", "pod-bound-restarted", "-n", NS)["status"]["containerStatuses"][0]
-             .get("restartCount", 0) >= 1, timeout=60, interval=0.5, message="the container restarted")
-    e2e.kubectl("delete", "pod", "pod-bound-restarted", "-n", NS, "--grace-period=0", "--force")
+        def stopped() -> bool:
+            pod = kube.get(PODS, "pod-bound-restarted", namespace=NS)
+            statuses = pod.get("status", {}).get("containerStatuses", [])
+            return any(c.get("restartCount", 0) > 0 or "running" not in (c.get("state") or {}) for c in statuses)
+        wait_for(stopped, timeout=60, interval=0.02, message="the container's exit in the Pod's status")
+        seen_at = time.monotonic()
+        took = max(_attempt_over(kube, "pod-bound-restarted", 1) - seen_at, 0.0)
+        e2e.figures["pod-bound, container restarted → requeued"] = f"{took:.2f}s after the API server showed it"
+        assert took < 1, f"{took:.2f}s from the container's restart to the requeue"
+        first = wait_for(lambda: (a := _first_attempt(e2e, "pod-bound-restarted")).get("outcome") and a, timeout=30,
+                         interval=0.2, message="the expiry projected into the Task's status")
+        assert first["outcome"] == "Expired" and "container work" in first["message"], first
+        wait_for(lambda: e2e.json("pod", "pod-bound-restarted", "-n", NS)["status"]["containerStatuses"][0]
+                 .get("restartCount", 0) >= 1, timeout=60, interval=0.5, message="the container restarted")
+    finally:  # a failure here must not leave its Pod to fail the uninstall test as well
+        e2e.kubectl("delete", "pod", "pod-bound-restarted", "-n", NS, "--grace-period=0", "--force",
+                    "--ignore-not-found")
 
 
 # -- 6. the operator pod dies ---------------------------------------------------------------------
