@@ -13,8 +13,9 @@ Kubernetes 1.32): the selected objects arrive as the first events of a watch, se
 the API server's watch cache in one response, and the watch goes on in it. A paginated list
 is a request per page, each read from etcd when the cache cannot serve it; many agents
 listing a deep queue at once make thousands. A server that refuses it gets a paginated list,
-and so does, that time, a streaming list the server cuts short (it ends the stream of a reader
-that falls behind the changes made while it lists).
+and so does, that time, a streaming list the server ends before its last object (a watch
+ends at its `timeoutSeconds`, which a deep queue's list can outlast, and an API server ends
+the watch of a reader that falls behind).
 """
 
 from __future__ import annotations
@@ -117,10 +118,10 @@ class Reflector:
             try:
                 if self._stream() or self._stop.is_set():
                     return  # listed, and watched in the same response until it ended
-                # Cut short before its list ended: an API server ends the stream of a reader
-                # that falls behind the changes made while it lists (a deep queue, listed by many
-                # agents at once while it drains). Streamed again it could be cut again: this
-                # time it is listed in pages, which no change cuts, as client-go does.
+                # Cut short before its list ended: the watch's timeout came first (a deep queue
+                # listed by many agents at once), or the API server ended the watch of a reader
+                # that fell behind. Streamed again it could be cut again: this time it is listed
+                # in pages, as client-go does.
                 self.cut_short += 1
                 log.info("the streaming list of %s was cut short by the API server; listing in pages",
                          self.resource.plural)
