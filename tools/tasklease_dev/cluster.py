@@ -227,6 +227,10 @@ class LocalCluster:
             f"--secure-port={state.apiserver_port}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
+            # An Endpoints may not hold a loopback address, so the default reconciler failed to
+            # write the `kubernetes` Service's every 10 s. Nothing reads them here: pods on the
+            # node are handed 127.0.0.1 (the chart's `apiServer`), and kind has its own API server.
+            "--endpoint-reconciler-type=none",
             "--service-cluster-ip-range=10.0.0.0/24",
             "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
