@@ -227,7 +227,7 @@ class LocalCluster:
             f"--secure-port={state.apiserver_port}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
-            # An Endpoints may not hold a loopback address, so the default reconciler failed to
+            # An Endpoints may not hold a loopback address: the default reconciler would fail to
             # write the `kubernetes` Service's every 10 s. Nothing reads them here: pods on the
             # node are handed 127.0.0.1 (the chart's `apiServer`), and kind has its own API server.
             "--endpoint-reconciler-type=none",
