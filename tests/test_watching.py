@@ -12,7 +12,7 @@ from conftest import Cluster, wait_for
 from tasklease.api import errors
 from tasklease_dev.cluster import compact_etcd
 from tasklease.kube import LEASES, JSON, Kube, Resource, client
-from tasklease.kube.watching import Reflector
+from tasklease.kube.watching import LIST_TIMEOUT_S, Reflector
 
 # Watched straight from etcd on the local control plane (no watch cache, see dev/cluster.py).
 PODTEMPLATES = Resource("", "v1", "podtemplates")
@@ -189,11 +189,19 @@ def test_a_streaming_list_misses_nothing_and_its_response_goes_on_as_the_watch(k
     for i in range(25):
         kube.create(LEASES, lease(f"s-{i:02d}", "stream"))
     seen = Seen()
+    watch, timeouts = kube.watch, []
+
+    def timed(*args: object, timeout_s: int, **kwargs: object) -> Iterator[JSON]:
+        timeouts.append(timeout_s)
+        return watch(*args, timeout_s=timeout_s, **kwargs)  # type: ignore[arg-type]
+    kube.watch = timed  # type: ignore[method-assign]
     reflector = Reflector(kube, LEASES, namespace=kube.namespace, listener=seen, label_selector="test=stream",
-                          page_size=10, keep_objects=False, watch_list=True)
+                          page_size=10, keep_objects=False, watch_list=True, watch_timeout_s=300)
     reflector.start()
     assert reflector.synced.wait(30)
     assert reflector.watch_list and reflector.lists == 1 and reflector.pages == 3  # 10, 10, and the last 5
+    # A deep queue listed by many agents at once takes minutes: more than a watch's timeout.
+    assert timeouts == [LIST_TIMEOUT_S] and LIST_TIMEOUT_S > 300
     assert sorted(seen) == sorted(f"ADDED s-{i:02d}" for i in range(25))
     kube.create(LEASES, lease("s-late", "stream"))
     kube.delete(LEASES, "s-00")

@@ -12,10 +12,10 @@ error (no rights, no CRD) stops the thread with `error` set, logged once.
 Kubernetes 1.32): the selected objects arrive as the first events of a watch, served from
 the API server's watch cache in one response, and the watch goes on in it. A paginated list
 is a request per page, each read from etcd when the cache cannot serve it; many agents
-listing a deep queue at once make thousands. A server that refuses it gets a paginated list,
-and so does, that time, a streaming list the server ends before its last object (a watch
-ends at its `timeoutSeconds`, which a deep queue's list can outlast, and an API server ends
-the watch of a reader that falls behind).
+listing a deep queue at once make thousands. Its response asks for a longer timeout than a
+watch (`LIST_TIMEOUT_S`). A server that refuses it gets a paginated list, and so does, that
+time, a streaming list the server ends before its last object (an API server ends the watch
+of a reader that falls behind, and a list could still outlast its timeout).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ from tasklease.api import errors
 from tasklease.api.retry import Backoff, transient
 from tasklease.kube import JSON, Kube, Resource
 from tasklease.kube.client import INITIAL_EVENTS_END
+
+# The timeout of a streaming list's response, which the watch then goes on in: a deep queue
+# listed by many agents at once takes minutes, longer than a watch's usual timeout.
+LIST_TIMEOUT_S = 1800
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +122,9 @@ class Reflector:
             try:
                 if self._stream() or self._stop.is_set():
                     return  # listed, and watched in the same response until it ended
-                # Cut short before its list ended: the watch's timeout came first (a deep queue
-                # listed by many agents at once), or the API server ended the watch of a reader
-                # that fell behind. Streamed again it could be cut again: this time it is listed
-                # in pages, as client-go does.
+                # Cut short before its list ended: the API server ended the watch of a reader
+                # that fell behind, or even `LIST_TIMEOUT_S` came first. Streamed again it could
+                # be cut again: this time it is listed in pages, as client-go does.
                 self.cut_short += 1
                 log.info("the streaming list of %s was cut short by the API server; listing in pages",
                          self.resource.plural)
@@ -185,7 +188,7 @@ class Reflector:
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
                                      label_selector=self.label_selector, field_selector=self.field_selector,
-                                     timeout_s=self.watch_timeout_s, initial_events=True):
+                                     timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True):
             if self._stop.is_set():
                 return bool(self._rv)
             kind, obj = event["type"], event["object"]
