@@ -128,7 +128,7 @@ def _run_watches(reconciler: Reconciler, podbound: PodBound, queues: QueueContro
     # waits for those in an executor thread that cannot be cancelled, which hangs its
     # shutdown on SIGTERM.
     loop = asyncio.new_event_loop()
-    loop.set_exception_handler(report_kopfs_leftovers)
+    loop.set_exception_handler(report_briefly)
     stop = asyncio.Event()
     restart = threading.Event()
 
@@ -166,17 +166,17 @@ def _run_watches(reconciler: Reconciler, podbound: PodBound, queues: QueueContro
     return restart.is_set()
 
 
-def report_kopfs_leftovers(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """What asyncio reports on kopf's loop, in one line; the traceback at DEBUG.
+def report_briefly(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """What asyncio reports on kopf's event loop, in one line; the traceback at DEBUG.
 
-    Only kopf runs tasks on that loop (our handlers only update memory), and the one report
-    seen is a leftover of its shutdown: its API discovery awaits its requests through
+    Only kopf runs tasks on that loop (our handlers only update memory). The report seen is a
+    leftover of its shutdown: its API discovery awaits its requests through
     `asyncio.as_completed`, so when it is cancelled, the requests still open are left behind,
     and each ends in the closed session ("Task exception was never retrieved")."""
     exc = context.get("exception")
-    log.warning("kopf left a task behind: %s%s", context["message"], f" ({exc!r})" if exc else "")
+    log.warning("kopf's event loop: %s%s", context["message"], f" ({exc!r})" if exc else "")
     if exc is not None:
-        log.debug("the traceback of kopf's task", exc_info=exc)
+        log.debug("the traceback of what kopf's event loop reported", exc_info=exc)
 
 
 def _reflectors(reconciler: Reconciler, podbound: PodBound, queues: QueueController, kube: Kube,
