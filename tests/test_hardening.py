@@ -325,7 +325,10 @@ def test_a_zombie_process_counts_as_gone() -> None:
 
 def test_sigterm_stops_the_operator_cleanly(operator_factory) -> None:  # type: ignore[no-untyped-def]
     op = operator_factory()  # with leader election
+    began = time.monotonic()
     assert op.stop() == 0
+    # Unless `release_stop_waiter` frees it, kopf waits 5 s for its task waiting on our stop flag.
+    assert time.monotonic() - began < 4
     assert "Traceback" not in op.output()
     assert "operator" in op.output().splitlines()[-1] and "stopped" in op.output().splitlines()[-1]
 

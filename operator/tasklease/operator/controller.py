@@ -143,6 +143,12 @@ def _run_watches(reconciler: Reconciler, podbound: PodBound, queues: QueueContro
     for r in reflectors:
         r.start()
     registry = _registry(reconciler, podbound, kube, health)
+
+    @kopf.on.cleanup(registry=registry)
+    async def release_stop_waiter(**_: Any) -> None:
+        # Stopped by a signal, kopf leaves its task waiting on our stop flag pending, then
+        # waits 5 s for it before it cancels what is left.
+        stop.set()
     # kopf logs every handler call at INFO; our own log has one line per task transition.
     for name in ("kopf.objects", "kopf.activities"):
         logging.getLogger(name).setLevel(logging.WARNING)
