@@ -143,21 +143,21 @@ def _run_watches(reconciler: Reconciler, podbound: PodBound, queues: QueueContro
     for r in reflectors:
         r.start()
     registry = _registry(reconciler, podbound, kube, health)
+    # kopf logs every handler call at INFO; our own log has one line per task transition.
+    for name in ("kopf.objects", "kopf.activities"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Until kopf installs its own, SIGTERM stops kopf through its stop flag: a SystemExit
+    # raised inside kopf's starting activities would leave the traceback of a dead task.
+    signal.signal(signal.SIGTERM, lambda signum, frame: loop.call_soon_threadsafe(stop.set))
 
     @kopf.on.cleanup(registry=registry)
     async def release_stop_waiter(**_: Any) -> None:
         # Stopped by a signal, kopf leaves its task waiting on our stop flag pending, then
         # waits 5 s for it before it cancels what is left.
         stop.set()
-    # kopf logs every handler call at INFO; our own log has one line per task transition.
-    for name in ("kopf.objects", "kopf.activities"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # Our identity, not kopf's default: that asks getpass.getuser(), which fails for a uid
-    # without a passwd entry (the image's 65532).
-    # Until kopf installs its own, SIGTERM stops kopf through its stop flag: a SystemExit
-    # raised inside kopf's starting activities would leave the traceback of a dead task.
-    signal.signal(signal.SIGTERM, lambda signum, frame: loop.call_soon_threadsafe(stop.set))
     try:
+        # Our identity, not kopf's default: that asks getpass.getuser(), which fails for a uid
+        # without a passwd entry (the image's 65532).
         kopf.run(registry=registry, standalone=True, clusterwide=not args.namespaces,
                  namespaces=args.namespaces or (), ready_flag=ready, stop_flag=stop, loop=loop,
                  identity=identity)  # type: ignore[arg-type]  # kopf.Identity is a NewType kopf does not export
