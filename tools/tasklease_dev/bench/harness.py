@@ -40,13 +40,14 @@ class Workers:
     blocked on its stdin until `go`: one per worker, as agents are separate pods."""
 
     def __init__(self, mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
-                 seconds: float = 0.0, beside: dict[str, int] | None = None, measure: int = 0) -> None:
+                 seconds: float = 0.0, beside: dict[str, int] | None = None, measure: int = 0,
+                 queues: int = 1) -> None:
         self.mode, self.tasks, self.measure = mode, tasks, measure
         config = namespace_config(kube, kubeconfig)
         self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease_dev.bench", "--worker", mode,
                                         "--kubeconfig", str(config), "--index", str(i), "--tasks", str(tasks),
                                         "--workers", str(workers), "--max-tasks", str(max_tasks),
-                                        "--seconds", str(seconds)],
+                                        "--seconds", str(seconds), "--queues", str(queues)],
                                        stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
                       for i in range(workers)]
         self.plane = {**control_plane(kubeconfig), **(beside or {})}
@@ -146,35 +147,38 @@ def run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks:
 
 
 def side_by_side(kubeconfig: Path, modes: Sequence[str], *, workers: int, tasks: int,
-                 operator_on: bool = False) -> dict[str, Results]:
+                 operator_on: bool = False, queues: int = 1) -> dict[str, Results]:
     """The throughput cases of `modes` (floors, and "sdk": `tasks` tasks, `workers` workers),
     each in a namespace of its own, all made ready first, then run one right after another.
-    With `operator_on`, the SDK's namespace has the operator running, as by default."""
+    With `operator_on`, the SDK's namespace has the operator running, as by default. With
+    `queues`, the tasks and the agents are spread over that many queues (`queue_of`): each
+    agent claims from one, and watches that one only."""
     with contextlib.ExitStack() as stack:
         ready_: dict[str, Workers] = {}
         for mode in modes:
             kube = stack.enter_context(namespace(kubeconfig))
             beside: dict[str, int] = {}
             if mode in ("sdk", "protocol", "raw3"):  # they claim Tasks, or write their status
-                create_tasks(kube, tasks, queue="bench")
+                create_tasks(kube, tasks, queue="bench", queues=queues)
             if mode == "sdk" and operator_on:
                 proc, port = operator(kube, kubeconfig)
                 stack.callback(stop, proc)
                 until(lambda port=port: ready(port), 120, "the operator to be ready")  # type: ignore[misc]
                 beside["operator"] = proc.pid
-            ready_[mode] = Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, beside=beside)
+            ready_[mode] = Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, beside=beside,
+                                   queues=queues)
             stack.callback(ready_[mode].kill)
         return {mode: ready_[mode].go() for mode in modes}
 
 
 def pairs(kubeconfig: Path, case: str, floor: str, *, count: int, workers: int, tasks: int,
-          operator_on: bool = False) -> tuple[list[float], list[dict[str, Results]]]:
+          operator_on: bool = False, queues: int = 1) -> tuple[list[float], list[dict[str, Results]]]:
     """`count` pairs of `case` and `floor`, the order alternating: each pair's rate of `case`
     ÷ rate of `floor`, and the pairs' figures."""
     ratios, runs = [], []
     for i in range(count):
         order = (case, floor) if i % 2 == 0 else (floor, case)
-        run = side_by_side(kubeconfig, order, workers=workers, tasks=tasks, operator_on=operator_on)
+        run = side_by_side(kubeconfig, order, workers=workers, tasks=tasks, operator_on=operator_on, queues=queues)
         ratios.append(run[case]["rate"] / run[floor]["rate"])
         runs.append(run)
     return ratios, runs

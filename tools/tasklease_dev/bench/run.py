@@ -42,6 +42,9 @@ from tasklease_dev.crds import apply_crds
 
 Results = dict[str, Any]
 SECTIONS = ("floors", "throughput", "operator-on", "operator", "recovery", "depth", "scale")
+# The operator-on case's 16 agents spread over this many queues, two to a queue: what one
+# queue's work split in several costs (docs/sizing.md), beside the same work in one queue.
+SPREAD = 8
 # The sizes of a default run, and of a quick one.
 _SIZES = {"agents": ("1,4,8,16", "16"), "tasks": (500, 300), "pairs": (5, 2), "operator_tasks": (2000, 500),
           "depth": (30000, 3000), "cli_depth": (10000, 2000), "scale": (100000, 5000), "kills": (4, 2)}
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--queues", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=10.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -136,17 +140,19 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
             for mode in ("watched", "protocol"):
                 res[f"{mode}_floor_vs_floor_{n}"] = case[mode]["rate"] / runs[0]["raw"]["rate"]
             res[f"conflicts_per_task_{n}"] = runs[0]["sdk"]["conflicts"] / args.tasks
-    if section("operator-on", f"operator on, {args.operator_tasks} tasks, 8 and 16 agents: {args.pairs} pairs "
-                              "of the SDK and the 3-write floor"):
-        events = []
-        for n in (8, 16):
+    if section("operator-on", f"operator on, {args.operator_tasks} tasks, 8 and 16 agents on one queue, and "
+                              f"16 over {SPREAD} queues: {args.pairs} pairs each of the SDK and the 3-write floor"):
+        events: dict[str, list[float]] = {"": [], f"_over_{SPREAD}_queues": []}
+        for n, queues in ((8, 1), (16, 1), (16, SPREAD)):
+            over = "" if queues == 1 else f"_over_{queues}_queues"
             ratios, runs = pairs(kubeconfig, "sdk", "raw3", count=args.pairs, workers=n, tasks=args.operator_tasks,
-                                 operator_on=True)
-            res["cases"][f"operator-on-{n}"] = runs
-            res[f"sdk_operator_on_vs_floor3_{n}_pairs"] = ratios
-            res[f"sdk_operator_on_vs_floor3_{n}"] = statistics.median(ratios)
-            events += [run["sdk"]["watch_events"] / args.operator_tasks / n for run in runs]
-        res["events_per_task_per_agent_operator_on"] = statistics.median(events)
+                                 operator_on=True, queues=queues)
+            res["cases"][f"operator-on-{n}{over.replace('_', '-')}"] = runs
+            res[f"sdk_operator_on_vs_floor3_{n}{over}_pairs"] = ratios
+            res[f"sdk_operator_on_vs_floor3_{n}{over}"] = statistics.median(ratios)
+            events[over] += [run["sdk"]["watch_events"] / args.operator_tasks / n for run in runs]
+        for over, per_agent in events.items():
+            res[f"events_per_task_per_agent_operator_on{over}"] = statistics.median(per_agent)
     if section("operator", "idle agents beside renewals; the operator at 100 tasks/s"):
         res.update(space(functools.partial(agents_at_work.renewals, kubeconfig=kubeconfig)))
         res.update(space(functools.partial(agents_at_work.operator_flow, kubeconfig=kubeconfig)))

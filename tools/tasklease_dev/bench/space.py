@@ -68,22 +68,30 @@ def create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
     kube.create(TASKS, task_body(name, queue=queue, **spec))
 
 
-def create_range(kube: Kube, start: int, stop: int, *, queue: str, **spec: Any) -> None:
-    """Tasks t-<start> .. t-<stop - 1>, `_THREADS` POSTs at a time."""
+def queue_of(queue: str, index: int, queues: int) -> str:
+    """The queue of task (or worker) number `index` of a case that spreads its work over
+    `queues` queues: `queue` itself when there is one, else `<queue>-<index mod queues>`."""
+    return queue if queues == 1 else f"{queue}-{index % queues}"
+
+
+def create_range(kube: Kube, start: int, stop: int, *, queue: str, queues: int = 1, **spec: Any) -> None:
+    """Tasks t-<start> .. t-<stop - 1> (spread over `queues` queues, `queue_of`), `_THREADS` POSTs at a time."""
     with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
-        list(pool.map(lambda i: create(kube, f"t-{i:06d}", queue=queue, **spec), range(start, stop)))
+        list(pool.map(lambda i: create(kube, f"t-{i:06d}", queue=queue_of(queue, i, queues), **spec),
+                      range(start, stop)))
 
 
-def create_tasks(kube: Kube, count: int, *, queue: str, kubeconfig: Path | None = None, processes: int = 4,
-                 **spec: Any) -> None:
-    """`count` Tasks t-000000 ...; with `kubeconfig` and many tasks, from `processes` processes."""
+def create_tasks(kube: Kube, count: int, *, queue: str, queues: int = 1, kubeconfig: Path | None = None,
+                 processes: int = 4, **spec: Any) -> None:
+    """`count` Tasks t-000000 ... (over `queues` queues, `queue_of`); with `kubeconfig` and many
+    tasks, from `processes` processes."""
     if kubeconfig is None or count < _PER_PROCESS:
-        create_range(kube, 0, count, queue=queue, **spec)
+        create_range(kube, 0, count, queue=queue, queues=queues, **spec)
         return
     config = namespace_config(kube, kubeconfig)
     bounds = [count * i // processes for i in range(processes + 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "tasklease_dev.bench.space", str(config), queue,
-                               str(lo), str(hi), json.dumps(spec)])
+                               str(queues), str(lo), str(hi), json.dumps(spec)])
              for lo, hi in zip(bounds, bounds[1:], strict=False)]
     failed = [proc for proc in procs if proc.wait() != 0]
     if failed:
@@ -105,6 +113,6 @@ def phase_is(kube: Kube, name: str, phase: str) -> bool:
 
 
 if __name__ == "__main__":  # one creating process of `create_tasks`
-    _config, _queue, _lo, _hi, _spec = sys.argv[1:]
+    _config, _queue, _queues, _lo, _hi, _spec = sys.argv[1:]
     create_range(Kube.connect(kubeconfig=_config, pool_size=_THREADS), int(_lo), int(_hi), queue=_queue,
-                 **json.loads(_spec))
+                 queues=int(_queues), **json.loads(_spec))

@@ -22,6 +22,7 @@ from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import Held, Protocol, TaskView
 from tasklease_dev.bench.procs import cpu_s, status_mb
+from tasklease_dev.bench.space import queue_of
 
 Results = dict[str, Any]
 
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace) -> Results:
         # A working agent is a member of its queue before the clock starts, as it would be at
         # work: joining (its member Lease written, and seen) and listing the queue are once per
         # agent, not per task (the scale case measures an agent's start).
-        view = agent.watch("bench") if args.worker == "idle" else agent.join("bench")
+        queue = queue_of("bench", args.index, args.queues)
+        view = agent.watch(queue) if args.worker == "idle" else agent.join(queue)
         if not view.wait_listed(3600):
             raise RuntimeError("bench: the queue's first list did not end within an hour")
         print(f"ready {time.monotonic() - synced:.3f}", flush=True)
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> Results:
             agent.protocol.complete = timed_complete  # type: ignore[method-assign]
             cpu = cpu_s()
             meter.mark()
-            done = agent.work("bench", lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
+            done = agent.work(queue, lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
             report = {"cpu_s": cpu_s() - cpu}
         report["watch_events"] = meter.watch_events - events
         agent.close()
