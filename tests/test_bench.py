@@ -12,7 +12,7 @@ import yaml
 
 from conftest import ROOT
 from tasklease_dev import benchdoc
-from tasklease_dev.bench.harness import cpu_until
+from tasklease_dev.bench.harness import cpu_until, ratio
 from tasklease_dev.bench.results import load, newest_with
 from tasklease_dev.bench.targets import TARGETS, table
 
@@ -30,6 +30,17 @@ def test_a_workers_cpu_is_read_at_the_cases_end_between_its_marks() -> None:
     assert cpu_until(marks, 12.0) == pytest.approx((1.1, 0.85, 0.6))  # halfway into the wait
     assert cpu_until(marks, 20.0) == pytest.approx((1.2, 0.9, 0.6))  # past the last mark: the last
     assert cpu_until(marks, 9.0) == pytest.approx((0.0, 0.0, 0.0))  # before the clock started
+
+
+def test_a_ratio_weighs_both_orders_of_a_pair_alike() -> None:
+    # Pairs alternate their order (the case first, then the floor first): each two in turn make
+    # one geometric mean, and the figure is their median.
+    couples = [(0.6 * 1.2) ** 0.5, (0.7 * 1.1) ** 0.5, (0.65 * 1.0) ** 0.5]
+    assert ratio([0.6, 1.2, 0.7, 1.1, 0.65, 1.0]) == pytest.approx(sorted(couples)[1])
+    # Five pairs, the case first three times: a plain median of them is 0.7, one of those three.
+    # The odd last pair is left out.
+    assert ratio([0.6, 1.2, 0.7, 1.1, 0.65]) == pytest.approx((couples[0] + couples[1]) / 2)
+    assert ratio([0.9]) == 0.9  # one pair alone is the figure
 
 
 def test_the_table_names_every_target_and_counts_misses_and_figures_not_run() -> None:

@@ -75,14 +75,15 @@ def render(results: Loaded) -> str:
     lines += ["", f"## Latest: {name}", "", _about(latest) + "."]
     pair_keys = sorted(key for key in latest if key.endswith("_pairs"))
     if pair_keys:
-        lines += ["", "Every pair's ratio (the order alternates within a run); the figure above is their median:", "",
+        lines += ["", "Every pair's ratio (the order alternates within a run); the figure above is the median, "
+                  "over each two pairs in turn (one in each order), of their geometric mean:", "",
                   "| figure | pairs |", "|---|---|"]
         lines += [f"| {key[:-len('_pairs')]} | {' '.join(f'{r:.2f}' for r in latest[key])} |" for key in pair_keys]
     cases = latest.get("cases", {})
     counts = [key for key in cases if key.isdigit()]
     if counts:
         lines += ["", "Throughput (tasks/s) by agents, operator off, in the first pair:", "",
-                  "| agents | raw floor | SDK | SDK ÷ raw (median of pairs) |", "|---|---|---|---|"]
+                  "| agents | raw floor | SDK | SDK ÷ raw (over every pair) |", "|---|---|---|---|"]
         for n in counts:
             lines.append(f"| {n} | {cases[n]['raw']['rate']:.1f} | {cases[n]['sdk']['rate']:.1f} | "
                          f"{shown(latest.get(f'sdk_vs_floor_{n}'))} |")

@@ -4,13 +4,15 @@ A shared machine's speed changes from one minute to the next (the raw floor alon
 factor of several): a ratio of two rates is only as good as their closeness in time, and
 setting a case up (its tasks, its workers, deleting the last one's namespace) takes longer
 than running it. So the cases of a ratio are made ready together and run back to back, in
-several pairs whose order alternates, and the ratio is the median of the pairs'.
+several pairs whose order alternates, and the ratio is taken over each two pairs in turn, one
+in each order (`ratio`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -182,6 +184,15 @@ def pairs(kubeconfig: Path, case: str, floor: str, *, count: int, workers: int, 
         ratios.append(run[case]["rate"] / run[floor]["rate"])
         runs.append(run)
     return ratios, runs
+
+
+def ratio(per_pair: list[float]) -> float:
+    """The figure of `pairs`' ratios: the median, over each two pairs in turn (one in each
+    order), of their geometric mean. Here the first case of a pair has measured slower than the
+    second, whichever it was: a median of single pairs, with one order once more than the
+    other, would lean that way. An odd last pair is left out, unless it is the only one."""
+    couples = [math.sqrt(a * b) for a, b in zip(per_pair[::2], per_pair[1::2], strict=False)]
+    return statistics.median(couples) if couples else per_pair[0]
 
 
 def cpu_until(marks: list[list[float]], when: float) -> tuple[float, float, float]:

@@ -32,7 +32,7 @@ def print_report(res: Results) -> list[str]:
                                         for m in modes) +
                   f" {_ms(case['sdk'].get('p50'))} {case['sdk']['conflicts']:>5}")
     for key in sorted(k for k in res if k.endswith("_pairs")):
-        print(f"{key}: " + " ".join(f"{r:4.2f}" for r in res[key]) + f"  median {res[key[:-len('_pairs')]]:.2f}")
+        print(f"{key}: " + " ".join(f"{r:4.2f}" for r in res[key]) + f"  figure {res[key[:-len('_pairs')]]:.2f}")
     if "put_p50_s" in res:
         print(f"\nfloors: conditional PUT {_ms(res['put_p50_s'])}, GET + PUT {_ms(res['get_put_p50_s'])}; "
               f"peers acquiring a free Lease: Python LeaderElection {_ms(res.get('python_le_p50_s'))}, "

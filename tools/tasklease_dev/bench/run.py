@@ -9,6 +9,7 @@ time or size measured the same way:
 - throughput, operator on: 8 and 16 agents drain --operator-tasks tasks with the operator
   running as by default, in pairs with a floor of the same three writes per task (Lease
   claim, Lease close, Task status write) and no watches; the watch events each agent got;
+  and the same 16 agents and tasks spread over `SPREAD` queues, two agents to a queue;
 - the operator: writes per task and projection lag at 100 tasks/s; idle agents' wake-ups per
   renewal; recovery after SIGKILL (to the requeue, and to the next claim with a replacement of
   the same or a new pod name); cancel latency; etcd with and without fsync;
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tasklease_dev.bench import agents_at_work, floors, recovery, report, results, scale, worker
-from tasklease_dev.bench.harness import pairs, side_by_side
+from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
 from tasklease_dev.bench.space import in_namespace
 from tasklease_dev.cluster import ClusterState, LocalCluster
@@ -46,7 +47,7 @@ SECTIONS = ("floors", "throughput", "operator-on", "operator", "recovery", "dept
 # queue's work split in several costs (docs/sizing.md), beside the same work in one queue.
 SPREAD = 8
 # The sizes of a default run, and of a quick one.
-_SIZES = {"agents": ("1,4,8,16", "16"), "tasks": (500, 300), "pairs": (5, 2), "operator_tasks": (2000, 500),
+_SIZES = {"agents": ("1,4,8,16", "16"), "tasks": (500, 300), "pairs": (6, 2), "operator_tasks": (2000, 500),
           "depth": (30000, 3000), "cli_depth": (10000, 2000), "scale": (100000, 5000), "kills": (4, 2)}
 
 
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     parser.add_argument("--agents", help="agent counts for the operator-off throughput cases (default 1,4,8,16)")
     parser.add_argument("--tasks", type=int, help="tasks per operator-off throughput case (default 500)")
-    parser.add_argument("--pairs", type=int, help="pairs per throughput ratio, order alternating (default 5)")
+    parser.add_argument("--pairs", type=int,
+                        help="pairs per throughput ratio, order alternating, an even number (default 6)")
     parser.add_argument("--operator-tasks", type=int, help="tasks per operator-on throughput case (default 2000)")
     parser.add_argument("--depth", type=int, help="open tasks for the deep drain (default 30000)")
     parser.add_argument("--cli-depth", type=int, help="open tasks for the one-shot claim (default 10000)")
@@ -136,7 +138,7 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
             res["cases"][str(n)] = {**case, **runs[0]}
             res["cases"][f"{n}-later-pairs"] = runs[1:]
             res[f"sdk_vs_floor_{n}_pairs"] = ratios
-            res[f"sdk_vs_floor_{n}"] = statistics.median(ratios)
+            res[f"sdk_vs_floor_{n}"] = ratio(ratios)
             for mode in ("watched", "protocol"):
                 res[f"{mode}_floor_vs_floor_{n}"] = case[mode]["rate"] / runs[0]["raw"]["rate"]
             res[f"conflicts_per_task_{n}"] = runs[0]["sdk"]["conflicts"] / args.tasks
@@ -149,7 +151,7 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
                                  operator_on=True, queues=queues)
             res["cases"][f"operator-on-{n}{over.replace('_', '-')}"] = runs
             res[f"sdk_operator_on_vs_floor3_{n}{over}_pairs"] = ratios
-            res[f"sdk_operator_on_vs_floor3_{n}{over}"] = statistics.median(ratios)
+            res[f"sdk_operator_on_vs_floor3_{n}{over}"] = ratio(ratios)
             events[over] += [run["sdk"]["watch_events"] / args.operator_tasks / n for run in runs]
         for over, per_agent in events.items():
             res[f"events_per_task_per_agent_operator_on{over}"] = statistics.median(per_agent)
