@@ -25,6 +25,7 @@ not reach are then "not run". The result file: bench/results/<date>-<commit>.jso
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -144,7 +145,7 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
             res[f"conflicts_per_task_{n}"] = runs[0]["sdk"]["conflicts"] / args.tasks
     if section("operator-on", f"operator on, {args.operator_tasks} tasks, 8 and 16 agents on one queue, and "
                               f"16 over {SPREAD} queues: {args.pairs} pairs each of the SDK and the 3-write floor"):
-        events: dict[str, list[float]] = {"": [], f"_over_{SPREAD}_queues": []}
+        events: dict[str, list[float]] = collections.defaultdict(list)  # by the figures' suffix
         for n, queues in ((8, 1), (16, 1), (16, SPREAD)):
             over = "" if queues == 1 else f"_over_{queues}_queues"
             ratios, runs = pairs(kubeconfig, "sdk", "raw3", count=args.pairs, workers=n, tasks=args.operator_tasks,
