@@ -500,6 +500,7 @@ def test_run_on_sigterm_releases_and_exits_143_and_grace_escalates_to_sigkill(
     runner.kill(signal.SIGTERM)
     assert runner.wait(60) == errors.RUN_STOPPED, runner.output()
     assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)  # SIGKILLed after the grace period
+    assert f"stopped: released {namespace}/stubborn (attempt 1)" in runner.output()
     rec = record.decode(kube.get(LEASES, "stubborn"))
     assert (rec.state, rec.history[-1].outcome) == (record.FREE, "Released")
 

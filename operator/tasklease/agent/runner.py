@@ -165,6 +165,7 @@ class Runner:
                                    f"the command was stopped")
         if self._drain_over.is_set():  # stopped (a drain: its grace ran out): the command did not finish
             task.release(f"agent {task.holder} was stopped")
+            log.info("stopped: released %s/%s (attempt %d)", task.namespace, task.name, task.epoch)
             return 0 if self.drain else errors.RUN_STOPPED
         if timed_out:
             task.fail(failure_message(f"{models.ATTEMPT_TIMED_OUT}: {self.argv[0]} ran past its timeout of "
