@@ -10,16 +10,19 @@ The tests run in file order and build on each other (one release, one agent flee
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -389,21 +392,72 @@ def test_graceful_pod_deletion_releases_the_task_and_exits_within_grace(e2e: E2E
              message="the Deployment back to 3 Ready agents")
     e2e.apply_tasks("gracefully-stopped")
     holder = _claimed(e2e, "gracefully-stopped")
-    started = time.monotonic()
-    e2e.kubectl("delete", "pod", holder, "-n", NS, "--wait=false")
+    last: dict[str, Any] = {}
 
-    def released() -> bool:
-        history = e2e.task("gracefully-stopped").get("status", {}).get("history", [])
-        return bool(history) and history[0].get("outcome") == "Released"
-    wait_for(released, timeout=30, interval=0.1, message="the task released by SIGTERM")
-    wait_for(lambda: not e2e.json("pods", "-n", NS, "--field-selector", f"metadata.name={holder}")["items"],
-             timeout=30, interval=0.2, message="the pod gone within its 30s grace period")
-    gone_s = time.monotonic() - started
-    # The container exited on its own: a pod killed at the end of its grace period takes 30s.
-    assert gone_s < 25, f"the pod took {gone_s:.1f}s to go: SIGTERM did not end it"
-    e2e.figures["graceful deletion, pod gone"] = f"{gone_s:.1f}s of a 30s grace period"
+    def gone() -> bool:
+        found = e2e.json("pods", "-n", NS, "--field-selector", f"metadata.name={holder}")["items"]
+        last.update(found[0] if found else {})
+        return not found
+
+    with _following_log(e2e, holder) as logged:
+        started, deleted = time.monotonic(), time.time()
+        e2e.kubectl("delete", "pod", holder, "-n", NS, "--wait=false")
+
+        def released() -> bool:
+            history = e2e.task("gracefully-stopped").get("status", {}).get("history", [])
+            return bool(history) and history[0].get("outcome") == "Released"
+        wait_for(released, timeout=30, interval=0.1, message="the task released by SIGTERM")
+        try:
+            wait_for(gone, timeout=60, interval=0.2, message="the pod gone")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {_termination(last, deleted)}; its log:\n{logged()}") from None
+        gone_s = time.monotonic() - started
+        exited_s = _exited_after_delete_s(last, deleted)
+        # The container exited on its own: one killed at the end of its grace period takes 30s.
+        # (The kubelet removes the pod a moment later; that moment is not the agent's.)
+        assert gone_s < 25 or (exited_s is not None and exited_s < 25), (
+            f"the pod took {gone_s:.1f}s to go: {_termination(last, deleted)}; its log:\n{logged()}")
+    exited = f"; its container exited {exited_s:.0f}s after the delete" if exited_s is not None else ""
+    e2e.figures["graceful deletion, pod gone"] = f"{gone_s:.1f}s of a 30s grace period{exited}"
     wait_for(lambda: e2e.phase("gracefully-stopped") == "Succeeded", timeout=120, interval=0.5,
              message="the released task finished by another pod")
+
+
+@contextlib.contextmanager
+def _following_log(e2e: E2E, pod: str) -> Iterator[Callable[[], str]]:
+    """`kubectl logs -f` of `pod` while the block runs: what its agent said up to its end."""
+    with tempfile.TemporaryFile("w+") as out:
+        follower = subprocess.Popen([*e2e.prefix, str(binaries.ensure_kubectl()), f"--kubeconfig={e2e.kubeconfig}",
+                                     "logs", "-f", "--timestamps", "-n", NS, pod],
+                                    stdout=out, stderr=subprocess.STDOUT, text=True)
+
+        def logged() -> str:
+            out.flush()
+            out.seek(0)
+            return out.read()[-4000:]
+        try:
+            yield logged
+        finally:
+            follower.kill()
+            follower.wait()
+
+
+def _exited_after_delete_s(pod: dict[str, Any], deleted: float) -> float | None:
+    """Seconds from `deleted` (this machine's clock, which the node's is) to the exit of the
+    pod's container, to within the whole second the kubelet reports; None when the last look
+    did not see it terminated."""
+    states = [c.get("state", {}) for c in pod.get("status", {}).get("containerStatuses", [])]
+    finished = [s["terminated"]["finishedAt"] for s in states if "terminated" in s]
+    return max(datetime.fromisoformat(f).timestamp() for f in finished) - deleted if finished else None
+
+
+def _termination(pod: dict[str, Any], deleted: float) -> str:
+    if not pod:
+        return "the pod not seen since the delete"
+    exited = _exited_after_delete_s(pod, deleted)
+    seen = f"exited {exited:.0f}s after the delete" if exited is not None else "not seen exited"
+    states = [c.get("state", {}) for c in pod.get("status", {}).get("containerStatuses", [])]
+    return f"its container {seen}; states {states}; phase {pod.get('status', {}).get('phase')}"
 
 
 # -- 5b. pod-bound leases: a shell agent with no renew loop (docs/pod-bound.md) -----------------------
