@@ -444,11 +444,11 @@ def _following_log(e2e: E2E, pod: str) -> Iterator[Callable[[], str]]:
 
 def _exited_after_delete_s(pod: dict[str, Any], deleted: float) -> float | None:
     """Seconds from `deleted` (this machine's clock, which the node's is) to the exit of the
-    pod's container, to within the whole second the kubelet reports; None when the last look
-    did not see it terminated."""
+    pod's container, to within the whole second the kubelet reports (so at least 0); None when
+    the last look did not see it terminated."""
     states = [c.get("state", {}) for c in pod.get("status", {}).get("containerStatuses", [])]
-    finished = [s["terminated"]["finishedAt"] for s in states if "terminated" in s]
-    return max(datetime.fromisoformat(f).timestamp() for f in finished) - deleted if finished else None
+    finished = [datetime.fromisoformat(s["terminated"]["finishedAt"]).timestamp() for s in states if "terminated" in s]
+    return max(max(finished) - deleted, 0.0) if finished else None
 
 
 def _termination(pod: dict[str, Any], deleted: float) -> str:
