@@ -38,15 +38,12 @@ from typing import Any
 from tasklease_dev.bench import agents_at_work, floors, recovery, report, results, scale, worker
 from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
-from tasklease_dev.bench.space import in_namespace
+from tasklease_dev.bench.space import SPREAD, in_namespace
 from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
 
 Results = dict[str, Any]
 SECTIONS = ("floors", "throughput", "operator-on", "operator", "recovery", "depth", "scale")
-# The operator-on case's 16 agents spread over this many queues, two to a queue: what one
-# queue's work split in several costs (docs/sizing.md), beside the same work in one queue.
-SPREAD = 8
 # The sizes of a default run, and of a quick one.
 _SIZES = {"agents": ("1,4,8,16", "16"), "tasks": (500, 300), "pairs": (6, 2), "operator_tasks": (2000, 500),
           "depth": (30000, 3000), "cli_depth": (10000, 2000), "scale": (100000, 5000), "kills": (4, 2)}

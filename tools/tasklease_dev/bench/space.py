@@ -68,6 +68,11 @@ def create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
     kube.create(TASKS, task_body(name, queue=queue, **spec))
 
 
+# The operator-on case's 16 agents spread over this many queues, two to a queue: what one
+# queue's work split in several costs (docs/sizing.md), beside the same work in one queue.
+SPREAD = 8
+
+
 def queue_of(queue: str, index: int, queues: int) -> str:
     """The queue of task (or worker) number `index` of a case that spreads its work over
     `queues` queues: `queue` itself when there is one, else `<queue>-<index mod queues>`."""
