@@ -38,7 +38,7 @@ from typing import Any
 from tasklease_dev.bench import agents_at_work, floors, recovery, report, results, scale, worker
 from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
-from tasklease_dev.bench.space import SPREAD, in_namespace
+from tasklease_dev.bench.space import SPREAD, in_namespace, spread_suffix
 from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
 
@@ -144,7 +144,7 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
                               f"16 over {SPREAD} queues: {args.pairs} pairs each of the SDK and the 3-write floor"):
         events: dict[str, list[float]] = collections.defaultdict(list)  # by the figures' suffix
         for n, queues in ((8, 1), (16, 1), (16, SPREAD)):
-            over = "" if queues == 1 else f"_over_{queues}_queues"
+            over = spread_suffix(queues)
             ratios, runs = pairs(kubeconfig, "sdk", "raw3", count=args.pairs, workers=n, tasks=args.operator_tasks,
                                  operator_on=True, queues=queues)
             res["cases"][f"operator-on-{n}{over.replace('_', '-')}"] = runs

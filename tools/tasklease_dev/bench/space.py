@@ -73,6 +73,11 @@ def create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
 SPREAD = 8
 
 
+def spread_suffix(queues: int) -> str:
+    """What a figure's key ends with when its case spreads its work over `queues` queues."""
+    return "" if queues == 1 else f"_over_{queues}_queues"
+
+
 def queue_of(queue: str, index: int, queues: int) -> str:
     """The queue of task (or worker) number `index` of a case that spreads its work over
     `queues` queues: `queue` itself when there is one, else `<queue>-<index mod queues>`."""
