@@ -442,12 +442,16 @@ def _following_log(e2e: E2E, pod: str) -> Iterator[Callable[[], str]]:
             follower.wait()
 
 
+def _container_states(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c.get("state", {}) for c in pod.get("status", {}).get("containerStatuses", [])]
+
+
 def _exited_after_delete_s(pod: dict[str, Any], deleted: float) -> float | None:
     """Seconds from `deleted` (this machine's clock, which the node's is) to the exit of the
     pod's container, to within the whole second the kubelet reports (so at least 0); None when
     the last look did not see it terminated."""
-    states = [c.get("state", {}) for c in pod.get("status", {}).get("containerStatuses", [])]
-    finished = [datetime.fromisoformat(s["terminated"]["finishedAt"]).timestamp() for s in states if "terminated" in s]
+    finished = [datetime.fromisoformat(s["terminated"]["finishedAt"]).timestamp()
+                for s in _container_states(pod) if "terminated" in s]
     return max(max(finished) - deleted, 0.0) if finished else None
 
 
@@ -456,8 +460,7 @@ def _termination(pod: dict[str, Any], deleted: float) -> str:
         return "the pod not seen since the delete"
     exited = _exited_after_delete_s(pod, deleted)
     seen = f"exited {exited:.0f}s after the delete" if exited is not None else "not seen exited"
-    states = [c.get("state", {}) for c in pod.get("status", {}).get("containerStatuses", [])]
-    return f"its container {seen}; states {states}; phase {pod.get('status', {}).get('phase')}"
+    return f"its container {seen}; states {_container_states(pod)}; phase {pod.get('status', {}).get('phase')}"
 
 
 # -- 5b. pod-bound leases: a shell agent with no renew loop (docs/pod-bound.md) -----------------------
