@@ -106,6 +106,23 @@ def test_a_result_file_is_shown_with_its_machine_commit_date_and_verdicts(tmp_pa
     assert "2026-01-01-aaaaaaaaaaaa.json" in earlier and "commit `aaaaaaaaaaaa`, Old CPU" in earlier
 
 
+def test_the_operator_on_cases_cpu_is_shown_by_process_beside_the_floors(tmp_path: Path) -> None:
+    def run(sdk_apiserver: float, floor_apiserver: float) -> dict[str, object]:
+        return {"sdk": {"rate": 90.0, "cpu_ms_per_task": {"kube-apiserver": sdk_apiserver, "operator": 2.0,
+                                                           "workers": 4.0}},
+                "raw3": {"rate": 120.0, "cpu_ms_per_task": {"kube-apiserver": floor_apiserver, "workers": 3.0}}}
+    res = {"date": "2026-02-01T00:00:00Z", "commit": "bbbbbbbbbbbb", "machine": {"cpu_model": "CPU", "nproc": 2},
+           "kubernetes": "v1.35.4", "sdk_operator_on_vs_floor3_16": 0.66,
+           "cases": {"operator-on-16": [run(10.0, 7.0), run(14.0, 9.0), run(12.0, 8.0)]}}
+    (tmp_path / "2026-02-01-bbbbbbbbbbbb.json").write_text(json.dumps(res))
+    text = benchdoc.render(benchdoc.load(tmp_path))
+    # The medians of the three pairs: 12 and 8 ms in the API server, 18 and 11 in all.
+    assert "| 16 | SDK | 12.00 | - | - | 2.00 | 4.00 | 18.00 | 90.0 | 0.61 (tasks/s: 0.660) |" in text
+    assert "| 16 | 3-write floor | 8.00 | - | - | - | 3.00 | 11.00 | 120.0 |  |" in text
+    assert "| 16 over 8 queues |" not in text  # a case not run is not shown
+    assert "CPU per task, by process" not in benchdoc.render(benchdoc.load(tmp_path / "none"))
+
+
 @pytest.mark.skipif(sys.version_info >= (3, 13), reason="argparse lays help out otherwise from 3.13; made on 3.11")
 def test_the_cli_reference_is_generated_from_the_parser() -> None:
     assert clidoc.DOC.read_text() == clidoc.render(), "docs/cli.md is stale: make generate"

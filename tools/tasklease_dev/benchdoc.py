@@ -9,11 +9,13 @@ file, which names the machine, the commit and the date it was measured on.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from tasklease_dev.bench.results import RESULTS, ROOT, load
+from tasklease_dev.bench.space import OPERATOR_ON_CASES, operator_on_case, operator_on_figure
 from tasklease_dev.bench.targets import TARGETS, shown, verdict
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -87,6 +89,7 @@ def render(results: Loaded) -> str:
         for n in counts:
             lines.append(f"| {n} | {cases[n]['raw']['rate']:.1f} | {cases[n]['sdk']['rate']:.1f} | "
                          f"{shown(latest.get(f'sdk_vs_floor_{n}'))} |")
+    lines += _operator_on_cpu(results)
     if len(results) > 1:
         lines += ["", "## Earlier results", "", "| file | measured on | targets met |", "|---|---|---|"]
         for name, res in results[1:]:
@@ -94,6 +97,43 @@ def render(results: Loaded) -> str:
             lines.append(f"| {name} | {_about(res)} | {judged.count('met')} of "
                          f"{judged.count('met') + judged.count('NOT met')} |")
     return "\n".join(lines) + "\n"
+
+
+# The processes a case's CPU is measured in (`harness`), as the table names them.
+_PROCESSES = (("kube-apiserver", "API server"), ("etcd", "etcd"), ("kube-controller-manager", "controller-manager"),
+              ("operator", "operator"), ("workers", "agents"))
+
+
+def _operator_on_cpu(results: Loaded) -> list[str]:
+    """Where each task's CPU goes with the operator on, by process, beside the 3-write floor's:
+    the newest file with the operator-on cases, the median over each case's pairs."""
+    cases = [(agents, queues, operator_on_case(agents, queues)) for agents, queues in OPERATOR_ON_CASES]
+    name, res = next(((n, r) for n, r in results if any(r.get("cases", {}).get(key) for *_, key in cases)), ("", {}))
+    if not name:
+        return []
+    lines = ["", "## Operator on: CPU per task, by process", "",
+             f"From {name}: CPU milliseconds per task drained, the median over each case's pairs. The "
+             "floor's agents are its workers; it runs no operator. The last column is the floor's CPU per "
+             "task ÷ the SDK's, beside the same ratio measured in tasks/s.", "",
+             "| agents | | " + " | ".join(label for _, label in _PROCESSES) + " | all | tasks/s | floor ÷ SDK |",
+             "|---|---|" + "---|" * (len(_PROCESSES) + 3)]
+    for agents, queues, key in cases:
+        runs = res["cases"].get(key)
+        if not runs:
+            continue
+        spread = f"{agents} over {queues} queues" if queues > 1 else str(agents)
+        total = {side: statistics.median(sum(run[side]["cpu_ms_per_task"].values()) for run in runs)
+                 for side in ("sdk", "raw3")}
+        for side, label in (("sdk", "SDK"), ("raw3", "3-write floor")):
+            used = [run[side]["cpu_ms_per_task"] for run in runs]
+            cells = [f"{statistics.median(u[proc] for u in used):.2f}" if proc in used[0] else "-"
+                     for proc, _ in _PROCESSES]
+            versus = (f"{total['raw3'] / total['sdk']:.2f} (tasks/s: "
+                      f"{shown(res.get(operator_on_figure(agents, queues)))})"
+                      if side == "sdk" else "")
+            lines.append(f"| {spread} | {label} | {' | '.join(cells)} | {total[side]:.2f} | "
+                         f"{statistics.median(run[side]['rate'] for run in runs):.1f} | {versus} |")
+    return lines
 
 
 def render_sizing(results: Loaded) -> str:

@@ -38,7 +38,8 @@ from typing import Any
 from tasklease_dev.bench import agents_at_work, floors, recovery, report, results, scale, worker
 from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
-from tasklease_dev.bench.space import SPREAD, in_namespace, spread_suffix
+from tasklease_dev.bench.space import (OPERATOR_ON_CASES, SPREAD, in_namespace, operator_on_case,
+                                       operator_on_figure, spread_suffix)
 from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
 
@@ -143,13 +144,13 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
     if section("operator-on", f"operator on, {args.operator_tasks} tasks, 8 and 16 agents on one queue, and "
                               f"16 over {SPREAD} queues: {args.pairs} pairs each of the SDK and the 3-write floor"):
         events: dict[str, list[float]] = collections.defaultdict(list)  # by the figures' suffix
-        for n, queues in ((8, 1), (16, 1), (16, SPREAD)):
+        for n, queues in OPERATOR_ON_CASES:
             over = spread_suffix(queues)
             ratios, runs = pairs(kubeconfig, "sdk", "raw3", count=args.pairs, workers=n, tasks=args.operator_tasks,
                                  operator_on=True, queues=queues)
-            res["cases"][f"operator-on-{n}{over.replace('_', '-')}"] = runs
-            res[f"sdk_operator_on_vs_floor3_{n}{over}_pairs"] = ratios
-            res[f"sdk_operator_on_vs_floor3_{n}{over}"] = ratio(ratios)
+            res["cases"][operator_on_case(n, queues)] = runs
+            res[f"{operator_on_figure(n, queues)}_pairs"] = ratios
+            res[operator_on_figure(n, queues)] = ratio(ratios)
             events[over] += [run["sdk"]["watch_events"] / args.operator_tasks / n for run in runs]
         for over, per_agent in events.items():
             res[f"events_per_task_per_agent_operator_on{over}"] = statistics.median(per_agent)

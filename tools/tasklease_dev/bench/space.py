@@ -78,6 +78,20 @@ def spread_suffix(queues: int) -> str:
     return "" if queues == 1 else f"_over_{queues}_queues"
 
 
+# The operator-on section's cases: (agents, queues they spread over).
+OPERATOR_ON_CASES = ((8, 1), (16, 1), (16, SPREAD))
+
+
+def operator_on_case(agents: int, queues: int) -> str:
+    """Where the operator-on section keeps a case's runs in a result file (its `cases`)."""
+    return f"operator-on-{agents}{spread_suffix(queues).replace('_', '-')}"
+
+
+def operator_on_figure(agents: int, queues: int) -> str:
+    """The key of a case's figure: its SDK's rate ÷ the 3-write floor's."""
+    return f"sdk_operator_on_vs_floor3_{agents}{spread_suffix(queues)}"
+
+
 def queue_of(queue: str, index: int, queues: int) -> str:
     """The queue of task (or worker) number `index` of a case that spreads its work over
     `queues` queues: `queue` itself when there is one, else `<queue>-<index mod queues>`."""
