@@ -9,7 +9,7 @@ time or size measured the same way:
 - throughput, operator on: 8 and 16 agents drain --operator-tasks tasks with the operator
   running as by default, in pairs with a floor of the same three writes per task (Lease
   claim, Lease close, Task status write) and no watches; the watch events each agent got;
-  and the same 16 agents and tasks spread over `SPREAD` queues, two agents to a queue;
+  and the same 16 agents and tasks spread over `SPREADS` queues, two agents to a queue and one;
 - the operator: writes per task and projection lag at 100 tasks/s; idle agents' wake-ups per
   renewal; recovery after SIGKILL (to the requeue, and to the next claim with a replacement of
   the same or a new pod name); cancel latency; etcd with and without fsync;
@@ -38,7 +38,7 @@ from typing import Any
 from tasklease_dev.bench import agents_at_work, floors, recovery, report, results, scale, worker
 from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
-from tasklease_dev.bench.space import (OPERATOR_ON_CASES, SPREAD, in_namespace, operator_on_case,
+from tasklease_dev.bench.space import (OPERATOR_ON_CASES, SPREADS, in_namespace, operator_on_case,
                                        operator_on_figure, spread_suffix)
 from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
@@ -141,8 +141,9 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
             for mode in ("watched", "protocol"):
                 res[f"{mode}_floor_vs_floor_{n}"] = case[mode]["rate"] / runs[0]["raw"]["rate"]
             res[f"conflicts_per_task_{n}"] = runs[0]["sdk"]["conflicts"] / args.tasks
-    if section("operator-on", f"operator on, {args.operator_tasks} tasks, 8 and 16 agents on one queue, and "
-                              f"16 over {SPREAD} queues: {args.pairs} pairs each of the SDK and the 3-write floor"):
+    spreads = " and ".join(map(str, SPREADS))
+    if section("operator-on", f"operator on, {args.operator_tasks} tasks, 8 and 16 agents on one queue, and 16 "
+                              f"over {spreads} queues: {args.pairs} pairs each of the SDK and the 3-write floor"):
         events: dict[str, list[float]] = collections.defaultdict(list)  # by the figures' suffix
         for n, queues in OPERATOR_ON_CASES:
             over = spread_suffix(queues)

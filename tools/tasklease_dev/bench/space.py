@@ -68,9 +68,10 @@ def create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
     kube.create(TASKS, task_body(name, queue=queue, **spec))
 
 
-# The operator-on case's 16 agents spread over this many queues, two to a queue: what one
-# queue's work split in several costs (docs/sizing.md), beside the same work in one queue.
-SPREAD = 8
+# The operator-on case's 16 agents also spread over these many queues, two to a queue and one:
+# what one queue's work split in several costs (docs/sizing.md), beside the same work in one
+# queue; one agent a queue is as far as dividing a queue's watches among its agents could go.
+SPREADS = (8, 16)
 
 
 def spread_suffix(queues: int) -> str:
@@ -79,7 +80,7 @@ def spread_suffix(queues: int) -> str:
 
 
 # The operator-on section's cases: (agents, queues they spread over).
-OPERATOR_ON_CASES = ((8, 1), (16, 1), (16, SPREAD))
+OPERATOR_ON_CASES = ((8, 1), (16, 1), *((16, queues) for queues in SPREADS))
 
 
 def operator_on_case(agents: int, queues: int) -> str:
