@@ -114,7 +114,7 @@ def _operator_on_cpu(results: Loaded) -> list[str]:
     lines = ["", "## Operator on: CPU per task, by process", "",
              f"From {name}: CPU milliseconds per task drained, the median over each case's pairs. The "
              "floor's agents are its workers; it runs no operator. The last column is the floor's CPU per "
-             "task ÷ the SDK's, beside the same ratio measured in tasks/s.", "",
+             "task ÷ the SDK's, beside the case's figure, its ratio in tasks/s.", "",
              "| agents | | " + " | ".join(label for _, label in _PROCESSES) + " | all | tasks/s | floor ÷ SDK |",
              "|---|---|" + "---|" * (len(_PROCESSES) + 3)]
     for agents, queues, key in cases:
