@@ -9,7 +9,8 @@ time or size measured the same way:
 - throughput, operator on: 8 and 16 agents drain --operator-tasks tasks with the operator
   running as by default, in pairs with a floor of the same three writes per task (Lease
   claim, Lease close, Task status write) and no watches; the watch events each agent got;
-  and the same 16 agents and tasks spread over `SPREADS` queues, two agents to a queue and one;
+  and the same 16 agents and tasks spread over 8 queues (two agents a queue) and over 16 (one),
+  `SPREADS`;
 - the operator: writes per task and projection lag at 100 tasks/s; idle agents' wake-ups per
   renewal; recovery after SIGKILL (to the requeue, and to the next claim with a replacement of
   the same or a new pod name); cancel latency; etcd with and without fsync;
