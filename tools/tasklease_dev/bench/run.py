@@ -40,7 +40,7 @@ from tasklease_dev.bench import agents_at_work, floors, recovery, report, result
 from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
 from tasklease_dev.bench.space import (OPERATOR_ON_CASES, SPREADS, in_namespace, operator_on_case,
-                                       operator_on_figure, spread_suffix)
+                                       operator_on_events, operator_on_figure)
 from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
 
@@ -145,17 +145,17 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
     spreads = " and ".join(map(str, SPREADS))
     if section("operator-on", f"operator on, {args.operator_tasks} tasks, 8 and 16 agents on one queue, and 16 "
                               f"over {spreads} queues: {args.pairs} pairs each of the SDK and the 3-write floor"):
-        events: dict[str, list[float]] = collections.defaultdict(list)  # by the figures' suffix
+        events: dict[str, list[float]] = collections.defaultdict(list)  # by the figure's key
         for n, queues in OPERATOR_ON_CASES:
-            over = spread_suffix(queues)
             ratios, runs = pairs(kubeconfig, "sdk", "raw3", count=args.pairs, workers=n, tasks=args.operator_tasks,
                                  operator_on=True, queues=queues)
             res["cases"][operator_on_case(n, queues)] = runs
             res[f"{operator_on_figure(n, queues)}_pairs"] = ratios
             res[operator_on_figure(n, queues)] = ratio(ratios)
-            events[over] += [run["sdk"]["watch_events"] / args.operator_tasks / n for run in runs]
-        for over, per_agent in events.items():
-            res[f"events_per_task_per_agent_operator_on{over}"] = statistics.median(per_agent)
+            events[operator_on_events(queues)] += [run["sdk"]["watch_events"] / args.operator_tasks / n
+                                                   for run in runs]
+        for key, per_agent in events.items():
+            res[key] = statistics.median(per_agent)
     if section("operator", "idle agents beside renewals; the operator at 100 tasks/s"):
         res.update(space(functools.partial(agents_at_work.renewals, kubeconfig=kubeconfig)))
         res.update(space(functools.partial(agents_at_work.operator_flow, kubeconfig=kubeconfig)))

@@ -74,7 +74,7 @@ def create(kube: Kube, name: str, *, queue: str, **spec: Any) -> None:
 SPREADS = (8, 16)
 
 
-def spread_suffix(queues: int) -> str:
+def _spread_suffix(queues: int) -> str:
     """What a figure's key ends with when its case spreads its work over `queues` queues."""
     return "" if queues == 1 else f"_over_{queues}_queues"
 
@@ -85,12 +85,17 @@ OPERATOR_ON_CASES = ((8, 1), (16, 1), *((16, queues) for queues in SPREADS))
 
 def operator_on_case(agents: int, queues: int) -> str:
     """Where the operator-on section keeps a case's runs in a result file (its `cases`)."""
-    return f"operator-on-{agents}{spread_suffix(queues).replace('_', '-')}"
+    return f"operator-on-{agents}{_spread_suffix(queues).replace('_', '-')}"
 
 
 def operator_on_figure(agents: int, queues: int) -> str:
     """The key of a case's figure: its SDK's rate ÷ the 3-write floor's."""
-    return f"sdk_operator_on_vs_floor3_{agents}{spread_suffix(queues)}"
+    return f"sdk_operator_on_vs_floor3_{agents}{_spread_suffix(queues)}"
+
+
+def operator_on_events(queues: int) -> str:
+    """The key of the watch events per task per agent of the cases over `queues` queues."""
+    return f"events_per_task_per_agent_operator_on{_spread_suffix(queues)}"
 
 
 def queue_of(queue: str, index: int, queues: int) -> str:
