@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from conftest import Cluster, wait_for
-from tasklease.api import errors
+from conftest import Cluster, make_task, wait_for
+from tasklease.agent.discovery import queue_selector, task_selector
+from tasklease.api import errors, models
 from tasklease_dev.cluster import compact_etcd
-from tasklease.kube import LEASES, JSON, Kube, Resource, client
+from tasklease.kube import LEASES, JSON, TASKS, Kube, Resource, client
 from tasklease.kube.watching import LIST_TIMEOUT_S, Reflector
 
 # Watched straight from etcd on the local control plane (no watch cache, see dev/cluster.py).
@@ -272,3 +274,41 @@ def test_a_watch_quiet_for_longer_than_the_read_timeout_ends_as_if_closed(
     events = list(kube.watch(LEASES, namespace=kube.namespace, resource_version=version,
                              label_selector="test=quiet", timeout_s=60))
     assert [event["type"] for event in events if event["type"] != "BOOKMARK"] == []
+
+
+def test_the_agents_task_watch_gets_a_finished_task_as_the_status_write_and_tells_it_as_deleted(kube: Kube) -> None:
+    """The watch after the list selects the whole queue: the status write that finishes a
+    task reaches it as MODIFIED (which the API server encodes once for every watcher), and the
+    reflector tells its listener DELETED, as the list's selector would."""
+    for name in ("w-a", "w-b"):
+        make_task(kube, name, queue="wide")
+    raw: list[tuple[str, str, str]] = []
+    watch = kube.watch
+
+    def recorded(*args: Any, field_selector: str = "", **kwargs: Any) -> Iterator[JSON]:
+        for event in watch(*args, field_selector=field_selector, **kwargs):
+            raw.append((field_selector, event["type"], event["object"]["metadata"].get("name", "")))
+            yield event
+    kube.watch = recorded  # type: ignore[method-assign]
+    seen = Seen()
+    reflector = Reflector(kube, TASKS, namespace=kube.namespace, listener=seen, keep_objects=False,
+                          field_selector=task_selector("wide"), watch_field_selector=queue_selector("wide"),
+                          watch_list=True)
+    reflector.start()
+    assert reflector.synced.wait(30)
+    finished = kube.get(TASKS, "w-a")
+    finished["status"] = {"phase": models.Phase.SUCCEEDED.value}
+    kube.replace(TASKS, finished, sub="status")
+    make_task(kube, "w-c", queue="wide")
+    wait_for(lambda: "ADDED w-c" in seen, message="the task created after the finished one")
+    finished = kube.get(TASKS, "w-a")
+    finished["metadata"]["labels"] = {"touched": "yes"}  # a finished task changed again: not told
+    kube.replace(TASKS, finished)
+    kube.delete(TASKS, "w-b")
+    wait_for(lambda: "DELETED w-b" in seen, message="the deleted task")
+    reflector.stop()
+    assert sorted(seen) == ["ADDED w-a", "ADDED w-b", "ADDED w-c", "DELETED w-a", "DELETED w-b"]
+    assert seen.index("DELETED w-a") < seen.index("ADDED w-c")
+    wide = [(kind, name) for selector, kind, name in raw if selector == queue_selector("wide") and kind != "BOOKMARK"]
+    assert wide[:3] == [("MODIFIED", "w-a"), ("ADDED", "w-c"), ("MODIFIED", "w-a")]
+    assert reflector.lists == 1 and reflector.watches == 2  # the streaming list, then the wider watch

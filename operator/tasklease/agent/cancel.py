@@ -22,7 +22,7 @@ from typing import Any
 from tasklease.api import errors
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.kube.watching import Listener, Reflector
-from tasklease.agent.discovery import task_selector
+from tasklease.agent.discovery import queue_selector, task_selector
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class _QueueFollower:
         # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
         # Only identities are kept: the events carry what a cancel needs.
         self.reflector = reflector or Reflector(
-            kube, TASKS, namespace=key[0], field_selector=task_selector(key[1]), listener=self.seen,
+            kube, TASKS, namespace=key[0], field_selector=task_selector(key[1]),
+            watch_field_selector=queue_selector(key[1]), listener=self.seen,
             watch_timeout_s=_WATCH_TIMEOUT_S, keep_objects=False)
 
     def seen(self, kind: str, obj: JSON) -> None:

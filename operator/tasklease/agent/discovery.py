@@ -1,7 +1,9 @@
 """What an agent can claim in one queue: a candidate index kept current by server-filtered watches.
 
 The API server selects what each agent downloads: its queue's open Tasks (`spec.queue`, a
-CRD selectable field, and the phase), its queue's *free* Leases only (`tasklease.dev/state=free`),
+CRD selectable field, and the phase; once listed, the watch selects the queue alone and the
+task that finishes is dropped here, see `queue_selector`), its queue's *free* Leases only
+(`tasklease.dev/state=free`),
 and its queue's member Leases (`protocol.members`: who works the queue, and what they took). A
 claim, a renewal or a completion of a task's Lease reaches no other agent: a Lease that
 stops being free arrives as DELETED, which means exactly "no longer claimable"; a task
@@ -50,9 +52,17 @@ _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
 
 
+def queue_selector(queue: str) -> str:
+    """Every Task of `queue`: what the watch of its open Tasks selects once they are listed
+    (`Reflector.watch_field_selector`): a task that finishes then arrives as the operator's
+    status write, encoded once by the API server for every agent, not as a DELETED encoded
+    for each of them."""
+    return f"spec.queue={queue}"
+
+
 def task_selector(queue: str) -> str:
     """Tasks of `queue` whose projected phase is not terminal (the server filters)."""
-    return ",".join([f"spec.queue={queue}", *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
+    return ",".join([queue_selector(queue), *(f"status.phase!={p}" for p in models.TERMINAL_PHASES)])
 
 
 def unheld_selector(queue: str) -> str:
@@ -127,7 +137,8 @@ class QueueView:
         self.join_listeners: list[Callable[[str], None]] = []  # told of each member that joins
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
-                      listener=self._on_task, keep_objects=False, known=self._tasks.keys, watch_list=True),
+                      watch_field_selector=queue_selector(queue), listener=self._on_task,
+                      keep_objects=False, known=self._tasks.keys, watch_list=True),
             Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
                       listener=self._on_lease, keep_objects=False),
             Reflector(kube, LEASES, namespace=namespace, label_selector=members.selector(queue),

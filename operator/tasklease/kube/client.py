@@ -215,6 +215,7 @@ class Kube:
         resp = self._send("GET", res.path(namespace), query=query, body=None, content_type="application/json",
                           timeout=(10, _WATCH_READ_TIMEOUT_S))
         buffer = b""
+        ended = False
         try:
             for chunk in resp.stream(4096, decode_content=False):
                 buffer += chunk
@@ -222,6 +223,7 @@ class Kube:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
                         yield decode.loads(line)
+            ended = True
         except urllib3.exceptions.ReadTimeoutError as exc:
             if initial_events:  # a list cut short, not a quiet watch
                 raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
@@ -231,6 +233,11 @@ class Kube:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
         finally:
+            if not ended:
+                # Left before the server ended it (the reader stopped, or the read failed): the
+                # rest of the stream is still coming on this connection, which no other
+                # request may reuse.
+                resp.close()
             resp.release_conn()
 
 

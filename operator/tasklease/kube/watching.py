@@ -20,6 +20,7 @@ of a reader that falls behind, and a list could still outlast its timeout).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Collection
@@ -51,18 +52,28 @@ class Reflector:
     list may not show, is no deletion). `namespace=None` watches every namespace; the store
     is then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
-    as a streaming list (see the module), `pages` counting every `page_size` objects."""
+    as a streaming list (see the module), `pages` counting every `page_size` objects.
+
+    `watch_field_selector`: the watch that follows a list selects with it, a superset of
+    `field_selector`, which the reflector then applies itself: an object that stops matching
+    `field_selector` is delivered as DELETED, one that starts to as ADDED, and changes of
+    objects outside it not at all. The API server sends an object that leaves a watch's
+    selection as a DELETED of its previous content, copied and encoded again for each
+    watcher; a MODIFIED is encoded once for all of them."""
 
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
                  keep_objects: bool = True, known: Callable[[], Collection[str]] | None = None,
-                 page_size: int = 500, since: str = "", watch_list: bool = False) -> None:
+                 page_size: int = 500, since: str = "", watch_list: bool = False,
+                 watch_field_selector: str = "") -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
         self.listener = listener
         self.label_selector = label_selector
         self.field_selector = field_selector
+        self.watch_field_selector = watch_field_selector or field_selector
+        self._narrowed = _requirements(field_selector) if watch_field_selector else None
         self.watch_timeout_s = watch_timeout_s
         self.keep_objects = keep_objects
         self.known = known
@@ -198,6 +209,8 @@ class Reflector:
                 if (obj["metadata"].get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
                     self.pages += 1  # the last, part of a page
                     self._listed(seen, obj["metadata"]["resourceVersion"], before)
+                    if self._narrowed is not None:
+                        return True  # the watch goes on with its own selector (`_watch`)
             else:
                 name = self._name(obj)
                 if seen is not None:
@@ -226,7 +239,7 @@ class Reflector:
     def _watch(self) -> None:
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
-                                     label_selector=self.label_selector, field_selector=self.field_selector,
+                                     label_selector=self.label_selector, field_selector=self.watch_field_selector,
                                      timeout_s=self.watch_timeout_s):
             if self._stop.is_set():
                 return
@@ -241,6 +254,12 @@ class Reflector:
         if kind == "BOOKMARK":
             return
         name = self._name(obj)
+        if self._narrowed is not None:
+            inside = kind != "DELETED" and _selects(self._narrowed, obj)
+            if inside != self.has(name):
+                kind = "ADDED" if inside else "DELETED"
+            elif not inside:
+                return  # a change of an object that is not in the picture
         if kind == "DELETED":
             self.store.pop(name, None)
         else:
@@ -276,3 +295,27 @@ class Reflector:
         except Exception:  # noqa: BLE001
             log.exception("skipping %s %s/%s: it could not be read", self.resource.plural,
                           obj.get("metadata", {}).get("namespace"), obj.get("metadata", {}).get("name"))
+
+
+def _requirements(selector: str) -> list[tuple[list[str], bool, str]]:
+    """A field selector's requirements, as (path, equal, value): `a.b=v`, `a.b==v`, `a.b!=v`."""
+    out = []
+    for term in filter(None, selector.split(",")):
+        path, sign, value = term.partition("!=") if "!=" in term else term.partition("=")
+        if not sign:
+            raise ValueError(f"not a field selector requirement: {term!r}")
+        out.append((path.split("."), sign == "=", value.removeprefix("=")))
+    return out
+
+
+def _selects(requirements: list[tuple[list[str], bool, str]], obj: JSON) -> bool:
+    """Whether `obj` matches every requirement, as the API server judges a selectable field:
+    an absent field is the empty string."""
+    for path, equal, value in requirements:
+        found: object = obj
+        for key in path:
+            found = found.get(key) if isinstance(found, dict) else None
+        text = "" if found is None else found if isinstance(found, str) else json.dumps(found)
+        if (text == value) != equal:
+            return False
+    return True

@@ -1,0 +1,117 @@
+"""A Reflector whose watch selects more than its list: it narrows the events itself, so its
+listener sees exactly what the list's selector would show (no API server: a scripted one)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tasklease.kube import JSON, TASKS
+from tasklease.kube.client import INITIAL_EVENTS_END
+from tasklease.kube.watching import Reflector
+
+pytestmark = pytest.mark.unit
+
+OPEN = "spec.queue=q,status.phase!=Succeeded,status.phase!=Failed"
+
+
+def task(name: str, rv: str, phase: str | None = None, queue: str = "q") -> JSON:
+    obj: JSON = {"metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}", "resourceVersion": rv},
+                 "spec": {"queue": queue}}
+    if phase is not None:
+        obj["status"] = {"phase": phase}
+    return obj
+
+
+class Scripted:
+    """Answers the streaming list with `listed`, then the watch with `events`; records the
+    selectors each request carried."""
+
+    def __init__(self, listed: list[JSON], events: list[tuple[str, JSON]]) -> None:
+        self.listed, self.events = listed, events
+        self.requests: list[tuple[str, str]] = []
+
+    def watch(self, res: Any, *, field_selector: str = "", initial_events: bool = False,
+              **_: Any) -> Iterator[JSON]:
+        if initial_events:
+            self.requests.append(("list", field_selector))
+            yield from ({"type": "ADDED", "object": obj} for obj in self.listed)
+            yield {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "10",
+                                                               "annotations": {INITIAL_EVENTS_END: "true"}}}}
+            raise AssertionError("the streaming list went on after its end, in place of the wider watch")
+        self.requests.append(("watch", field_selector))
+        yield from ({"type": kind, "object": obj} for kind, obj in self.events)
+
+
+def run(kube: Scripted, *, known: bool) -> tuple[list[str], Reflector]:
+    seen: list[str] = []
+    names: set[str] = set()
+
+    def listener(kind: str, obj: JSON) -> None:
+        seen.append(f"{kind} {obj['metadata']['name']}")
+        (names.discard if kind == "DELETED" else names.add)(obj["metadata"]["name"])
+    reflector = Reflector(kube, TASKS, namespace="ns", listener=listener,  # type: ignore[arg-type]
+                          field_selector=OPEN, watch_field_selector="spec.queue=q", keep_objects=False,
+                          known=(lambda: names) if known else None, watch_list=True)
+    reflector._list_and_watch()  # the streaming list, which ends at its bookmark
+    assert reflector.synced.is_set() and kube.requests == [("list", OPEN)]
+    reflector._list_and_watch()  # then the watch, with its own selector
+    return seen, reflector
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["listener-keeps-names", "store-keeps-identities"])
+def test_a_wider_watch_is_narrowed_to_what_the_list_selects(known: bool) -> None:
+    kube = Scripted(
+        listed=[task("a", "5"), task("b", "6", "Running")],
+        events=[("MODIFIED", task("a", "11", "Succeeded")),  # finishes: it leaves the picture
+                ("MODIFIED", task("a", "12", "Succeeded")),  # a finished task changed again: not told
+                ("DELETED", task("a", "13", "Succeeded")),  # and deleted: not told either
+                ("MODIFIED", task("c", "14", "Pending")),  # one the list did not show starts to match
+                ("MODIFIED", task("c", "15", "Running")),
+                ("MODIFIED", task("b", "16", "Failed")),
+                ("MODIFIED", task("b", "17", "Pending")),  # back among the open ones
+                ("DELETED", task("c", "18", "Running"))])
+    seen, reflector = run(kube, known=known)
+    assert kube.requests == [("list", OPEN), ("watch", "spec.queue=q")]
+    assert seen == ["ADDED a", "ADDED b", "DELETED a", "ADDED c", "MODIFIED c", "DELETED b", "ADDED b",
+                    "DELETED c"]
+    assert reflector._rv == "18"  # every event moves the version on, told or not
+    assert sorted(reflector.store) == ([] if known else ["b"])
+
+
+def test_without_a_wider_watch_the_list_and_the_watch_select_alike_and_events_pass_as_sent() -> None:
+    seen: list[str] = []
+    kube = Scripted(listed=[task("a", "5")], events=[("MODIFIED", task("a", "11", "Succeeded"))])
+    reflector = Reflector(kube, TASKS, namespace="ns", field_selector=OPEN,  # type: ignore[arg-type]
+                          listener=lambda kind, obj: seen.append(f"{kind} {obj['metadata']['name']}"))
+    reflector._rv = "10"
+    reflector._list_and_watch()
+    assert kube.requests == [("watch", OPEN)] and seen == ["MODIFIED a"]
+
+
+@pytest.mark.parametrize(("selector", "obj", "selected"), [
+    ("spec.queue=q", {"spec": {"queue": "q"}}, True),
+    ("spec.queue==q", {"spec": {"queue": "q"}}, True),
+    ("spec.queue=q", {"spec": {"queue": "r"}}, False),
+    ("status.phase!=Succeeded", {}, True),  # an absent field is the empty string
+    ("status.phase=", {"status": None}, True),
+    ("status.phase!=Succeeded", {"status": {"phase": "Succeeded"}}, False),
+    ("spec.cancel=true", {"spec": {"cancel": True}}, True),  # not a string: as JSON writes it
+    ("spec.queue=q,status.phase!=Failed", {"spec": {"queue": "q"}, "status": {"phase": "Failed"}}, False),
+])
+def test_a_field_selector_is_judged_as_the_api_server_judges_it(selector: str, obj: JSON, selected: bool) -> None:
+    kube = Scripted(listed=[], events=[("MODIFIED", {**obj, "metadata": {"name": "x", "resourceVersion": "11"}})])
+    seen: list[str] = []
+    reflector = Reflector(kube, TASKS, namespace="ns", field_selector=selector,  # type: ignore[arg-type]
+                          watch_field_selector="metadata.namespace=ns", listener=lambda kind, _: seen.append(kind))
+    reflector._rv = "10"
+    reflector._list_and_watch()
+    assert seen == (["ADDED"] if selected else [])
+
+
+def test_a_selector_term_without_an_operator_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="not a field selector requirement"):
+        Reflector(Scripted([], []), TASKS, namespace="ns", listener=lambda *_: None,  # type: ignore[arg-type]
+                  field_selector="spec.queue", watch_field_selector="spec.queue=q")
