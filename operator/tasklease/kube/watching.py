@@ -190,9 +190,9 @@ class Reflector:
         self._listed(seen, since, before)
 
     def _stream(self) -> bool:
-        """A streaming list, then the watch goes on in the same response. Whether the list
-        ended: until the bookmark that ends it, a broken stream is a list to start again (`_rv`
-        stays empty)."""
+        """A streaming list, then the watch goes on in the same response (or, with a
+        `watch_field_selector`, in the next request). Whether the list ended: until the bookmark
+        that ends it, a broken stream is a list to start again (`_rv` stays empty)."""
         before = self.known() if self.known is not None else self.store
         seen: set[str] | None = set() if before else None
         listed = 0
