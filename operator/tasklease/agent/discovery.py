@@ -1,16 +1,16 @@
 """What an agent can claim in one queue: a candidate index kept current by server-filtered watches.
 
-The API server selects what each agent downloads: its queue's open Tasks (`spec.queue`, a
-CRD selectable field, and the phase; once listed, the watch selects the queue alone and the
-task that finishes is dropped here, see `queue_selector`), its queue's *free* Leases only
-(`tasklease.dev/state=free`),
-and its queue's member Leases (`protocol.members`: who works the queue, and what they took). A
-claim, a renewal or a completion of a task's Lease reaches no other agent: a Lease that
-stops being free arrives as DELETED, which means exactly "no longer claimable"; a task
-claimed by creating its Lease is learnt from the operator's projection of its Task or,
-failing that, from its claimer's member Lease once it stops claiming, a batch of names at a
-time. Agents divide the tasks among the members, so none needs to hear of each claim: a
-claiming member's share leaves its peers' index (it is "parked") until it stops claiming.
+The API server selects what each agent downloads: its queue's open Tasks (`spec.queue`, a CRD
+selectable field, and the phase; once listed, the watch selects the queue alone and its
+Reflector leaves out the tasks that finish, see `queue_selector`), its queue's *free* Leases
+only (`tasklease.dev/state=free`), and its queue's member Leases (`protocol.members`: who works
+the queue, and what they took). A claim, a renewal or a completion of a task's Lease reaches no
+other agent: a Lease that stops being free arrives as DELETED, which means exactly "no longer
+claimable"; a task claimed by creating its Lease is learnt from the operator's projection of
+its Task or, failing that, from its claimer's member Lease once it stops claiming, a batch of
+names at a time. Agents divide the tasks among the members, so none needs to hear of each
+claim: a claiming member's share leaves its peers' index (it is "parked") until it stops
+claiming.
 
 Each event re-judges one task with the one claimability rule (`rules.blocker`) and updates
 the index in O(1) (`candidates`). No polling: a waiting agent sleeps until something becomes
