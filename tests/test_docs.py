@@ -117,8 +117,8 @@ def test_the_operator_on_cases_cpu_is_shown_by_process_beside_the_floors(tmp_pat
     (tmp_path / "2026-02-01-bbbbbbbbbbbb.json").write_text(json.dumps(res))
     text = benchdoc.render(benchdoc.load(tmp_path))
     # The medians of the three pairs: 12 and 8 ms in the API server, 18 and 11 in all.
-    assert "| 16 | SDK | 12.00 | - | - | 2.00 | 4.00 | 18.00 | 90.0 | 0.61 (tasks/s: 0.660) |" in text
-    assert "| 16 | 3-write floor | 8.00 | - | - | - | 3.00 | 11.00 | 120.0 |  |" in text
+    assert "| 16 agents | SDK | 12.00 | - | - | 2.00 | 4.00 | 18.00 | 90.0 | 0.61 (tasks/s: 0.660) |" in text
+    assert "| 16 agents | 3-write floor | 8.00 | - | - | - | 3.00 | 11.00 | 120.0 |  |" in text
     assert "| 16 over 8 queues |" not in text  # a case not run is not shown
     assert "CPU per task, by process" not in benchdoc.render(benchdoc.load(tmp_path / "none"))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasklease_dev.bench.results import RESULTS, ROOT, load
-from tasklease_dev.bench.space import OPERATOR_ON_CASES, operator_on_case, operator_on_figure
+from tasklease_dev.bench.space import OPERATOR_ON_CASES, operator_on_case, operator_on_figure, spread_words
 from tasklease_dev.bench.targets import TARGETS, shown, verdict
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -115,13 +115,13 @@ def _operator_on_cpu(results: Loaded) -> list[str]:
              f"From {name}: CPU milliseconds per task drained, the median over each case's pairs. The "
              "floor's agents are its workers; it runs no operator. The last column is the floor's CPU per "
              "task ÷ the SDK's, beside the case's figure, its ratio in tasks/s.", "",
-             "| agents | | " + " | ".join(label for _, label in _PROCESSES) + " | all | tasks/s | floor ÷ SDK |",
+             "| case | | " + " | ".join(label for _, label in _PROCESSES) + " | all | tasks/s | floor ÷ SDK |",
              "|---|---|" + "---|" * (len(_PROCESSES) + 3)]
     for agents, queues, key in cases:
         runs = res["cases"].get(key)
         if not runs:
             continue
-        spread = f"{agents} over {queues} queues" if queues > 1 else str(agents)
+        spread = spread_words(agents, queues)
         total = {side: statistics.median(sum(run[side]["cpu_ms_per_task"].values()) for run in runs)
                  for side in ("sdk", "raw3")}
         for side, label in (("sdk", "SDK"), ("raw3", "3-write floor")):

@@ -83,6 +83,11 @@ def _spread_suffix(queues: int) -> str:
 OPERATOR_ON_CASES = ((8, 1), (16, 1), *((16, queues) for queues in SPREADS))
 
 
+def spread_words(agents: int, queues: int) -> str:
+    """How tables name an operator-on case: its agents, and the queues they spread over."""
+    return f"{agents} over {queues} queues" if queues > 1 else f"{agents} agents"
+
+
 def operator_on_case(agents: int, queues: int) -> str:
     """Where the operator-on section keeps a case's runs in a result file (its `cases`)."""
     return f"operator-on-{agents}{_spread_suffix(queues).replace('_', '-')}"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasklease_dev.bench.recovery import RECLAIM_TARGET_S
-from tasklease_dev.bench.space import SPREADS, operator_on_events, operator_on_figure
+from tasklease_dev.bench.space import SPREADS, operator_on_events, operator_on_figure, spread_words
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,12 @@ class Target:
 
 
 TARGETS: list[Target] = [
-    Target("SDK ÷ 3-write floor, operator on, 16 agents", operator_on_figure(16, 1), "≥", 0.8),
-    Target("SDK ÷ 3-write floor, operator on, 8 agents", operator_on_figure(8, 1), "≥", 0.8),
+    *(Target(f"SDK ÷ 3-write floor, operator on, {spread_words(agents, 1)}", operator_on_figure(agents, 1), "≥", 0.8)
+      for agents in (16, 8)),
     Target("watch events per task per agent, operator on", operator_on_events(1), "-"),
     *(target for queues in SPREADS for target in (
-        Target(f"SDK ÷ 3-write floor, operator on, 16 over {queues} queues", operator_on_figure(16, queues), "-"),
-        Target(f"watch events per task per agent, 16 over {queues} queues", operator_on_events(queues), "-"))),
+        Target(f"SDK ÷ 3-write floor, operator on, {spread_words(16, queues)}", operator_on_figure(16, queues), "-"),
+        Target(f"watch events per task per agent, {spread_words(16, queues)}", operator_on_events(queues), "-"))),
     Target("agent start to first claim, 100k open, 16 agents (s)", "agent_first_claim_100k_s", "≤", 10),
     Target("agent RSS at 100k open (MB)", "agent_rss_mb_100k", "≤", 80),
     Target("operator RSS peak at 100k tasks (MB)", "operator_rss_mb_100k", "≤", 200),
