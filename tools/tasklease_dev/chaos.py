@@ -38,7 +38,7 @@ from tasklease.api.timestamps import parse_time
 from tasklease_dev.cluster import LocalCluster, audit_files, free_port
 from tasklease_dev.crds import apply_crds
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
-from tasklease.protocol import members, record
+from tasklease.protocol import LeaseRecord, members, record
 
 NAMESPACE = "chaos"
 QUEUE = "chaos"
@@ -354,20 +354,8 @@ class Chaos:
         for name, n in completions.items():
             if n > 1:
                 v.append(f"{name}: completed {n} times")
-        self._kill_to_requeue(writes)
-
-    def _kill_to_requeue(self, writes: list[dict[str, Any]]) -> None:
-        """From each agent kill -9 to the first accepted write that took its leases away."""
-        for killed_at, prefix in self.kills:
-            held_then = set()
-            for event in writes:
-                rec = record.decode(event["responseObject"])
-                when = _audit_time(event)
-                if when < killed_at and rec.holder.startswith(prefix):
-                    held_then.add(rec.name)
-                elif when >= killed_at and rec.name in held_then and not rec.holder.startswith(prefix):
-                    self.figures.kill_to_requeue_s.append(when - killed_at)
-                    held_then.discard(rec.name)
+        self.figures.kill_to_requeue_s += kill_to_requeue(
+            self.kills, [(_audit_time(event), record.decode(event["responseObject"])) for event in writes])
 
     # -- output ------------------------------------------------------------------------------
 
@@ -415,6 +403,22 @@ def _prefix(agent: Proc) -> str:
     """How the holders of `agent`'s leases begin: its pod name and process id."""
     assert agent.popen is not None
     return f"{agent.name}/{agent.popen.pid}."
+
+
+def kill_to_requeue(kills: list[tuple[float, str]], writes: list[tuple[float, LeaseRecord]]) -> list[float]:
+    """From each agent kill -9 (its time, the prefix of its holders) to the first accepted write,
+    by anyone else, of each Lease it held when it died: one whose last write before the kill
+    named it the holder (a Lease it had closed or given back before is not its any more)."""
+    figures = []
+    for killed_at, prefix in kills:
+        held: dict[str, bool] = {}
+        for when, rec in writes:
+            if when < killed_at:
+                held[rec.name] = rec.holder.startswith(prefix)
+            elif held.get(rec.name) and not rec.holder.startswith(prefix):
+                figures.append(when - killed_at)
+                held[rec.name] = False
+    return figures
 
 
 def _audit_time(event: dict[str, Any]) -> float:
