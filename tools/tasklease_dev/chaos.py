@@ -335,6 +335,7 @@ class Chaos:
         latest: dict[str, int] = {}
         outcome: dict[str, str] = {}
         completions: dict[str, int] = defaultdict(int)
+        decoded: list[tuple[float, LeaseRecord]] = []  # (when, the Lease as written), for `kill_to_requeue`
         self.stale_accepted = 0
         for event in writes:
             obj = event["responseObject"]
@@ -345,6 +346,7 @@ class Chaos:
                 v.append(f"{name}: a write on version {pre} was accepted after version {latest.get(name)}")
             latest[name] = int(obj["metadata"]["resourceVersion"])
             rec = record.decode(obj)
+            decoded.append((_audit_time(event), rec))
             if rec.holder:
                 holders[(name, rec.epoch)].add(rec.holder)
             if rec.outcome == "Succeeded" and outcome.get(name) != "Succeeded":
@@ -354,8 +356,7 @@ class Chaos:
         for name, n in completions.items():
             if n > 1:
                 v.append(f"{name}: completed {n} times")
-        self.figures.kill_to_requeue_s += kill_to_requeue(
-            self.kills, [(_audit_time(event), record.decode(event["responseObject"])) for event in writes])
+        self.figures.kill_to_requeue_s += kill_to_requeue(self.kills, decoded)
 
     # -- output ------------------------------------------------------------------------------
 
