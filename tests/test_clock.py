@@ -143,7 +143,7 @@ class World:
         if current is not None:
             obj = {**obj, "metadata": {**obj["metadata"], "uid": current["metadata"]["uid"]}}
         stored = self.kube.put(LEASES, obj)
-        self.reconciler.on_lease("MODIFIED" if current else "ADDED", stored)
+        self.reconciler.on_lease("MODIFIED" if current else "ADDED", stored, record.read(stored))
         return stored
 
     def reconcile(self, name: str = "t") -> None:

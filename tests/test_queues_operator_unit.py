@@ -13,6 +13,7 @@ pytest.importorskip("prometheus_client")  # the operator's extra: not on the SDK
 
 from fake_kube import FakeKube  # noqa: E402
 from tasklease.operator.queues import QueueController, rate_allowance  # noqa: E402
+from tasklease.protocol import record  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +65,7 @@ def test_claims_beyond_the_rate_are_taken_back_newest_first() -> None:
     ctl._undo = lambda q, key, h, why: undone.append(key[1])  # type: ignore[method-assign]
     allowed = rate_allowance(1.0)
     for i in range(allowed + 3):
-        ctl.on_lease("ADDED", _held(f"t{i:02d}"))
+        ctl.on_lease("ADDED", record.read(_held(f"t{i:02d}")))
     q = ctl._queues[("ns", "q")]
     ctl._police_rate(q, ("ns", "q"), 1.0, clock.t)
     assert undone == [f"t{i:02d}" for i in range(allowed + 2, allowed - 1, -1)]
@@ -82,5 +83,5 @@ def test_the_first_list_is_no_news_of_claims() -> None:
                           monotonic=_Clock(), clock=lambda: NOW, synced=lambda: False)
     ctl.on_queue("ADDED", _taskqueue(1, 1, claimsPerSecond=0.1))
     for i in range(10):
-        ctl.on_lease("ADDED", _held(f"old-{i}"))
+        ctl.on_lease("ADDED", record.read(_held(f"old-{i}")))
     assert not ctl._claims.get(("ns", "q")) and not any(h.news for h in ctl._held.values())

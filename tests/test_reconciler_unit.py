@@ -90,7 +90,8 @@ def test_each_watch_event_queues_its_tasks_key_once() -> None:
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))
     r.on_task("ADDED", kube.put(TASKS, task()))
-    r.on_lease("ADDED", kube.put(LEASES, held_lease()))
+    event = kube.put(LEASES, held_lease())
+    r.on_lease("ADDED", event, record.read(event))
     r.on_task("ADDED", kube.put(TASKS, task("u")))
     assert drain(r) == [KEY, ("ns", "u")]
     entry, lease = r.store.entry(KEY)
@@ -101,7 +102,8 @@ def test_the_events_of_one_coalescing_window_make_one_reconcile() -> None:
     kube, clock = FakeKube(), Clock(1000.0)
     r = reconciler(kube, clock, coalesce_s=0.5)
     r.on_task("ADDED", kube.put(TASKS, task()))
-    r.on_lease("ADDED", kube.put(LEASES, held_lease()))
+    event = kube.put(LEASES, held_lease())
+    r.on_lease("ADDED", event, record.read(event))
     assert drain(r) == []  # the window is open
     clock.now += 0.5
     assert drain(r) == [KEY]
@@ -110,7 +112,8 @@ def test_the_events_of_one_coalescing_window_make_one_reconcile() -> None:
 def test_an_unreadable_event_queues_nothing() -> None:
     r = reconciler(FakeKube(), Clock(1000.0))
     r.on_task("ADDED", {"metadata": {"namespace": "ns"}})
-    r.on_lease("ADDED", {"metadata": {}})
+    event = {"metadata": {}}
+    r.on_lease("ADDED", event, record.read(event))
     assert drain(r) == []
 
 
@@ -118,7 +121,8 @@ def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))
     r.on_task("ADDED", kube.put(TASKS, task()))
-    r.on_lease("ADDED", kube.put(LEASES, held_lease()))
+    event = kube.put(LEASES, held_lease())
+    r.on_lease("ADDED", event, record.read(event))
     drain(r)
     r.on_pod("MODIFIED", {"metadata": {"namespace": "ns", "name": "agent-0", "uid": "p1"}, "status": {}})
     assert drain(r) == []  # alive

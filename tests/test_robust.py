@@ -115,7 +115,8 @@ def test_the_operator_projects_a_malformed_lease_counts_it_and_tells_it_once() -
     before = _count("history"), _count("too-long")
     bad = lease(annotations={record.ANN_OUTCOME: "Succeeded", record.ANN_RESULT: "x" * 9000,
                              record.ANN_HISTORY: "not json"})
-    reconciler.on_lease("ADDED", kube.put(LEASES, bad))
+    event = kube.put(LEASES, bad)
+    reconciler.on_lease("ADDED", event, record.read(event))
     reconciler.reconcile(("ns", "t"))
     reconciler.reconcile(("ns", "t"))
     assert (_count("history"), _count("too-long")) == (before[0] + 1, before[1] + 1)
@@ -156,7 +157,8 @@ def test_one_objects_refused_write_does_not_make_the_operator_unready(
     kube = RefusingKube(error)
     reconciler = Reconciler(kube, grace_s=1.0, workers=1, clock=lambda: NOW)  # type: ignore[arg-type]
     reconciler.on_task("ADDED", kube.put(TASKS, task_json()))
-    reconciler.on_lease("ADDED", kube.put(LEASES, lease(holder="agent-0/1")))
+    event = kube.put(LEASES, lease(holder="agent-0/1"))
+    reconciler.on_lease("ADDED", event, record.read(event))
     working(reconciler)
     wait_for(reconciler.queue.idle, timeout=10,
              message="the task reconciled")

@@ -16,7 +16,7 @@ from tasklease.api.models import Phase  # noqa: E402
 from tasklease.kube import JSON, TASKS  # noqa: E402
 from tasklease.kube.watching import Reflector  # noqa: E402
 from tasklease.operator import metrics  # noqa: E402
-from tasklease.operator.store import Store  # noqa: E402
+from tasklease.operator.store import Key, Store  # noqa: E402
 from tasklease.protocol import LeaseRecord, TaskView, record  # noqa: E402
 from fake_clock import Clock
 
@@ -24,6 +24,11 @@ pytestmark = pytest.mark.unit
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 KEY = ("ns", "t")
+
+
+def _lease_event(s: Store, kind: str, obj: JSON) -> Key | None:
+    """A Lease event as the operator's watch hands it to the store: read once beforehand."""
+    return s.lease_event(kind, obj, record.read(obj))
 
 
 def store(clock: Clock) -> Store:
@@ -105,36 +110,36 @@ def test_a_task_that_cannot_be_read_is_skipped_and_counted(obj: JSON) -> None:
 def test_leases_are_taken_in_stale_versions_ignored_and_deletions_forget_them() -> None:
     clock = Clock(1000.0)
     s = store(clock)
-    assert s.lease_event("ADDED", lease("10", holder="p/1", epoch=1)) == KEY
+    assert _lease_event(s, "ADDED", lease("10", holder="p/1", epoch=1)) == KEY
     clock.now += 3
-    assert s.lease_event("MODIFIED", lease("11", holder="p/1", epoch=1)) == KEY
+    assert _lease_event(s, "MODIFIED", lease("11", holder="p/1", epoch=1)) == KEY
     assert held_rv(s) == "11"
-    assert s.lease_event("MODIFIED", lease("10", holder="p/1", epoch=1)) is None  # older: nothing new
+    assert _lease_event(s, "MODIFIED", lease("10", holder="p/1", epoch=1)) is None  # older: nothing new
     assert held_rv(s) == "11"
     _, kept = s.entry(KEY)
     rec = kept.record() if kept is not None else None
     assert s.observed(KEY, rec).held_since == 1003.0  # the older version did not restart the clock
-    assert s.lease_event("DELETED", lease("12", holder="p/1", epoch=1)) == KEY
+    assert _lease_event(s, "DELETED", lease("12", holder="p/1", epoch=1)) == KEY
     assert s.entry(KEY) == (None, None) and s.observed(KEY, rec).sighting is None
 
 
 def test_a_lease_that_cannot_be_read_drops_the_one_held_and_is_counted() -> None:
     s = store(Clock(1000.0))
-    s.lease_event("ADDED", lease("10", holder="p/1", epoch=1))
+    _lease_event(s, "ADDED", lease("10", holder="p/1", epoch=1))
     unreadable = lease("11", holder="p/1", epoch=1)
     unreadable["spec"] = "not a map"
     before = malformed("Lease")
-    assert s.lease_event("MODIFIED", unreadable) == KEY
+    assert _lease_event(s, "MODIFIED", unreadable) == KEY
     assert malformed("Lease") == before + 1
     assert s.entry(KEY) == (None, None)
-    assert s.lease_event("MODIFIED", {"metadata": {}}) is None  # not even a name: skipped
+    assert _lease_event(s, "MODIFIED", {"metadata": {}}) is None  # not even a name: skipped
     assert malformed("Lease") == before + 2
 
 
 def test_the_snapshot_says_what_our_clocks_saw_of_the_held_version() -> None:
     clock = Clock(1000.0)
     s = store(clock)
-    s.lease_event("ADDED", lease("10", holder="agent-0/i@abcdef12", epoch=1))
+    _lease_event(s, "ADDED", lease("10", holder="agent-0/i@abcdef12", epoch=1))
     clock.now += 4
     _, kept = s.entry(KEY)
     assert kept is not None
@@ -153,11 +158,11 @@ def test_the_snapshot_says_what_our_clocks_saw_of_the_held_version() -> None:
 
 def test_our_own_lease_write_is_kept_unless_the_watch_brought_a_newer_one() -> None:
     s = store(Clock(1000.0))
-    s.lease_event("ADDED", lease("10", holder="p/1", epoch=1))
+    _lease_event(s, "ADDED", lease("10", holder="p/1", epoch=1))
     before = record.decode(lease("10", holder="p/1", epoch=1))
     s.remember(before, record.decode(lease("12", epoch=1)))
     assert held_rv(s) == "12"
-    s.lease_event("MODIFIED", lease("13", holder="q/1", epoch=2))  # the next claim
+    _lease_event(s, "MODIFIED", lease("13", holder="q/1", epoch=2))  # the next claim
     s.remember(before, record.decode(lease("14", epoch=2)))
     assert held_rv(s) == "13"
 
@@ -205,17 +210,17 @@ def test_a_malformed_lease_is_reported_once_per_attempt_and_kind_of_problem() ->
 
 def test_an_older_lease_version_that_cannot_be_read_leaves_the_newer_one_held() -> None:
     s = store(Clock(1000.0))
-    s.lease_event("ADDED", lease("10", holder="p/1", epoch=1))
+    _lease_event(s, "ADDED", lease("10", holder="p/1", epoch=1))
     older = lease("9", holder="p/1", epoch=1)
     older["spec"] = "not a map"
-    s.lease_event("ADDED", older)  # a seeding list behind the watch
+    _lease_event(s, "ADDED", older)  # a seeding list behind the watch
     assert held_rv(s) == "10"
 
 
 def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_deletions_by_them() -> None:
     s = store(Clock(1000.0))
     s.task_event("ADDED", task("5"))
-    s.lease_event("ADDED", lease("6"))
+    _lease_event(s, "ADDED", lease("6"))
     s.task_event("ADDED", {**task("7"), "metadata": {**task("7")["metadata"], "namespace": "other"}})
     assert s.task_names("ns") == ["t"] and sorted(s.task_names(None)) == ["ns/t", "other/t"]
     assert s.lease_names("ns") == ["t"] and s.lease_names(None) == ["ns/t"] and s.lease_names("other") == []
@@ -243,9 +248,9 @@ def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_d
 def test_a_task_and_its_lease_share_one_key_through_every_version(lease_first: bool) -> None:
     s = store(Clock(1000.0))
     if lease_first:  # as a new leader seeds: the Leases are listed before the Tasks
-        s.lease_event("ADDED", lease("4"))
+        _lease_event(s, "ADDED", lease("4"))
     s.task_event("ADDED", task("5"))
-    s.lease_event("MODIFIED", lease("6", holder="p/1", epoch=1))
+    _lease_event(s, "MODIFIED", lease("6", holder="p/1", epoch=1))
     entry, held = s.entry(KEY)
     assert entry is not None and held is not None and entry.key is held.key == KEY
     s.wrote_task(KEY, entry, task("7"))

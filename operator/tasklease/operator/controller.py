@@ -194,9 +194,10 @@ def _reflectors(reconciler: Reconciler, podbound: PodBound, queues: QueueControl
 
     def on_lease(kind: str, obj: JSON) -> None:
         health.watches.event()
-        reconciler.on_lease(kind, obj)
-        podbound.on_lease(kind, obj)
-        queues.on_lease(kind, obj)
+        rec = record.read(obj)  # once for the three
+        reconciler.on_lease(kind, obj, rec)
+        podbound.on_lease(kind, obj, rec)
+        queues.on_lease(kind, rec)
     scopes: list[str | None] = [*namespaces] if namespaces else [None]
     store = reconciler.store
     return [r for ns in scopes for r in (

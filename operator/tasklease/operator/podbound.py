@@ -224,15 +224,12 @@ class PodBound:
         self._announced: dict[Key, int] = {}  # lease → the epoch whose binding we told of
         self._cond = threading.Condition()
 
-    def on_lease(self, kind: str, obj: JSON) -> None:
+    def on_lease(self, kind: str, obj: JSON, rec: LeaseRecord | None) -> None:
+        """`rec`: `obj` read (`record.read`; None: unreadable, which the reconciler reports)."""
         meta = obj.get("metadata") or {}
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
-        try:
-            rec = None if kind == "DELETED" else record.decode(obj, whole=False)
-        except (ValueError, KeyError, TypeError):
-            rec = None  # the reconciler reports what cannot be read
         with self._cond:
-            if self.bindings.lease(key, rec):
+            if self.bindings.lease(key, None if kind == "DELETED" else rec):
                 self._wake(key)
             else:
                 self._announced.pop(key, None)

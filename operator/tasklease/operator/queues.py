@@ -39,7 +39,7 @@ from tasklease.api.queues import TaskQueueSpec, TaskQueueStatus
 from tasklease.kube import EVENTS, JSON, LEASES, TASKQUEUES, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.operator import metrics
-from tasklease.protocol import HELD, Protocol, rate, record, slots
+from tasklease.protocol import HELD, LeaseRecord, Protocol, rate, record, slots
 from tasklease.protocol.slots import Slot
 
 log = logging.getLogger("tasklease.operator")
@@ -135,9 +135,10 @@ class QueueController:
             except ValidationError:
                 q.written = None
 
-    def on_lease(self, kind: str, obj: JSON) -> None:
-        """A task's Lease (the reconciler's watch)."""
-        rec = record.decode(obj, whole=False)
+    def on_lease(self, kind: str, rec: LeaseRecord | None) -> None:
+        """A task's Lease (the reconciler's watch), as read (`record.read`; None: unreadable)."""
+        if rec is None:
+            return
         key = (rec.namespace, rec.name)
         with self._lock:
             before = self._held.get(key)

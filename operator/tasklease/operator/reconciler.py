@@ -15,7 +15,8 @@ finished within it gets one status write. Worker threads reconcile keys one at a
 3. project the Lease into Task.status (conditional PUT), then post the Events (the
    happy-path ones, Claimed and Succeeded, only with `happy_events`) and count the
    metrics of what changed;
-4. schedule the key's next look in the work queue.
+4. delete a finished Task whose TTL ran out, or else schedule the key's next look in the
+   work queue.
 
 Every write is conditional on what was observed; a 409 means the world moved and a
 newer watch event will bring the key back. Standby replicas keep the picture current but
@@ -89,8 +90,9 @@ class Reconciler:
         if key is not None:
             self.queue.add_soon(key)
 
-    def on_lease(self, kind: str, obj: JSON) -> None:
-        key = self.store.lease_event(kind, obj)
+    def on_lease(self, kind: str, obj: JSON, rec: LeaseRecord | None) -> None:
+        """`rec`: `obj` read (`record.read`), once for every listener of the event."""
+        key = self.store.lease_event(kind, obj, rec)
         if key is not None:
             self.queue.add_soon(key)
 
@@ -198,7 +200,7 @@ class Reconciler:
             else:
                 continue
             for obj in listed.get("items", []):
-                self.store.lease_event("ADDED", obj)  # the watch may have brought a newer one already
+                self.store.lease_event("ADDED", obj, record.read(obj))  # the watch may have brought a newer one already
 
     def deactivate(self) -> None:
         with self._lock:
@@ -279,10 +281,8 @@ class Reconciler:
                             "without what cannot be read" if unreadable else f"in its task's queue {view.spec.queue!r}")
                 rec = self._remember(rec, self.protocol.repair(view, rec))
         rec = self._act(view, rec)
-        self._project(key, entry, task, rec)
-        if self._clean_up(key, view, rec):
-            return
-        self._schedule(key, view, rec)
+        self._project(key, entry, task, view, rec)
+        self._clean_up_or_schedule(key, view, rec)
 
     def _find_unlabelled(self, task: JSON) -> LeaseRecord | None:
         """The Lease of a task that was claimed but whose Lease our (label-selected) watch does
@@ -335,14 +335,15 @@ class Reconciler:
             f"its Lease has fields that cannot be used ({', '.join(rec.malformed)}); they are ignored or cut"),
             "", post=True)
 
-    def _project(self, key: Key, entry: SlimTask, task: JSON, rec: LeaseRecord | None) -> None:
+    def _project(self, key: Key, entry: SlimTask, task: JSON, view: TaskView, rec: LeaseRecord | None) -> None:
         """Step 3: write the status if it changed, then tell people what happened. `entry` is
-        what `task` was decoded from: our write replaces it only if no event replaced it first."""
+        what `task` (and `view`) were decoded from: our write replaces it only if no event
+        replaced it first."""
         old = models.TaskStatus.model_validate(task.get("status") or {})
         now = self.clock()
         new = projection.project(task, rec, old=old, now=now)
         queue = entry.queue
-        self.store.projected(key, queue, TaskView.of(task), rec, phase=new.phase, now=now)
+        self.store.projected(key, queue, view, rec, phase=new.phase, now=now)
         if (task.get("status") and projection.same(old, new)) or projection.unwritten(old, new):
             return
         body = {**task, "status": new.model_dump(mode="json", by_alias=True, exclude_none=True)}
@@ -381,34 +382,26 @@ class Reconciler:
         log.info("task %s/%s: %s: %s", meta["namespace"], meta["name"], t.reason, t.message)
         events.post(self.kube, task, t.type, t.reason, t.message, component=self.component, now=self.clock())
 
-    def _clean_up(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> bool:
-        """Delete a finished Task whose TTL ran out (its Lease follows: the garbage collector,
-        or our orphan removal when the deletion comes back through the watch). True when
-        deleted. Conditional on the Task as we know it: a Task changed meanwhile is kept."""
+    def _clean_up_or_schedule(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> None:
+        """Step 4: delete a finished Task whose TTL ran out (its Lease follows: the garbage
+        collector, or our orphan removal when the deletion comes back through the watch),
+        conditional on the Task as we know it now (a Task changed meanwhile is kept); or else
+        schedule the key's next look without any event (`decision.next_look`)."""
         entry = self.store.task(key)
-        if entry is None:
-            return False
-        task = entry.json()
-        status = models.TaskStatus.model_validate(task.get("status") or {})
-        at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
-        if at is None or at > self.clock():
-            return False
-        meta = task["metadata"]
-        try:
-            self.kube.delete(TASKS, view.name, namespace=view.namespace,
-                             preconditions={"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]})
-        except errors.NotFound:
-            return True
-        metrics.CLEANUPS.labels(view.namespace, view.spec.queue).inc()
-        log.info("task %s/%s: deleted %s after it finished (ttlSecondsAfterFinished)", view.namespace, view.name,
-                 status.phase.value)
-        return True
-
-    def _schedule(self, key: Key, view: TaskView, rec: LeaseRecord | None) -> None:
-        """Step 4: when this key needs a look without any event (`decision.next_look`)."""
-        entry = self.store.task(key)
-        status = models.TaskStatus.model_validate((entry.json() if entry else {}).get("status") or {})
+        task = entry.json() if entry is not None else None
+        status = models.TaskStatus.model_validate((task or {}).get("status") or {})
         delete_at = cleanup.delete_at(view, status, rec, default_ttl_s=self.default_ttl_s)
+        if task is not None and delete_at is not None and delete_at <= self.clock():
+            meta = task["metadata"]
+            try:
+                self.kube.delete(TASKS, view.name, namespace=view.namespace,
+                                 preconditions={"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]})
+            except errors.NotFound:
+                return
+            metrics.CLEANUPS.labels(view.namespace, view.spec.queue).inc()
+            log.info("task %s/%s: deleted %s after it finished (ttlSecondsAfterFinished)", view.namespace,
+                     view.name, status.phase.value)
+            return
         at = decision.next_look(view, rec, self.store.observed(key, rec), self._now(), self.settings,
                                 delete_at=delete_at)
         if at is not None:

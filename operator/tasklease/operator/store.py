@@ -115,19 +115,16 @@ class Store:
                 metrics.known_queue(*where)
         return key, True
 
-    def lease_event(self, kind: str, obj: JSON) -> Key | None:
-        """A Lease's watch event; the key of its task to reconcile, or None when even its
-        name cannot be read or the version is no newer than the one held."""
+    def lease_event(self, kind: str, obj: JSON, rec: LeaseRecord | None) -> Key | None:
+        """A Lease's watch event, and `rec` read from it (`record.read`); the key of its task to
+        reconcile, or None when even its name cannot be read or the version is no newer than
+        the one held."""
         try:
             key = _key(obj)
         except (KeyError, TypeError) as exc:
             _skip("Lease", obj, exc)
             return None
         incoming = version(str(obj["metadata"].get("resourceVersion", "")))
-        try:
-            rec = record.decode(obj)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            rec = None
         with self._lock:
             held = self._leases.get(key)
             if kind != "DELETED" and held is not None and _older(incoming, version(held.resource_version)):

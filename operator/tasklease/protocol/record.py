@@ -152,6 +152,14 @@ def decode(lease: JSON, *, whole: bool = True) -> LeaseRecord:
     )
 
 
+def read(lease: JSON) -> LeaseRecord | None:
+    """`decode`, or None for a Lease that names no namespace and name (nothing to decide with)."""
+    try:
+        return decode(lease)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 MALFORMED_REASONS: Final = ("history", "outcome", "timestamp", "number", "too-long")
 DROPPED_REASONS: Final = MALFORMED_REASONS[:4]  # left out by `decode`; "too-long" values are kept
 # What Task.status holds of a Lease's holder and reason (models.TaskStatus).
