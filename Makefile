@@ -74,18 +74,18 @@ UNIT_TESTS := tests/test_beside.py tests/test_decode.py tests/test_testing.py te
 	tests/test_discovery.py tests/test_discovery_props.py tests/test_compact.py tests/test_agentmem.py tests/test_runner_unit.py tests/test_aio_unit.py \
 	tests/test_worker_unit.py tests/test_jitter.py tests/test_expiry.py tests/test_rules.py tests/test_lifecycle_rules.py \
 	tests/test_connection.py tests/test_retry.py tests/test_slim.py tests/test_podbound_unit.py tests/test_workqueue.py tests/test_decision.py tests/test_queues_unit.py tests/test_queues_operator_unit.py \
-	tests/test_store.py tests/test_reconciler_unit.py tests/test_opmem.py tests/test_controller_unit.py tests/test_watching_unit.py tests/test_chaos.py
+	tests/test_store.py tests/test_reconciler_unit.py tests/test_opmem.py tests/test_controller_unit.py tests/test_watching_unit.py tests/test_chaos.py tests/test_unitvenv.py
 UNIT_PYTHONS := 3.12.1 3.13.0
 
 unit: venv ## the unit tests alone (under 30 s, no control plane)
 	$(PY) -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS)
 
+# On 3.12 and 3.13 the tests import the source folders, in virtualenvs of the dependencies
+# alone that live beside the binaries (`tasklease_dev.unitvenv`: made once, shared by clones).
 unit-all: unit ## the unit tests on every supported Python (3.11, and 3.12 and 3.13 from pyenv)
 	for v in $(UNIT_PYTHONS); do \
-	  venv=.venv-$${v%.*}; py=$${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v/bin/python; \
-	  test -x $$venv/bin/python || $$py -m venv $$venv || exit 1; \
-	  $$venv/bin/python -m pip install -q -e '.[operator]' -e tools pytest pytest-timeout hypothesis || exit 1; \
-	  $$venv/bin/python -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS) || exit 1; \
+	  venv=$$($(PY) -m tasklease_dev.unitvenv $$v) || exit 1; \
+	  PYTHONPATH=operator:tools $$venv/bin/python -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS) || exit 1; \
 	done
 
 test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), e2e, kind-e2e
@@ -105,7 +105,7 @@ bench: build ## every target of docs/benchmarks.md, beside floors from the same 
 dist: venv ## a release into dist/: wheel, sdist, chart, image (OCI archive, buildah), krew plugin, SHA256SUMS
 	$(PY) -m tasklease_dev.dist $(DIST_ARGS)
 
-clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (binaries stay)
+clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (the binaries and unit-test virtualenvs in ~/.cache/tasklease stay)
 	for w in .cache/test-cluster .cache/bench/cluster .cache/chaos/cluster; do \
 	  test ! -d $$w || $(LOCAL) --workdir $$w --kubeconfig $$w/kubeconfig down; done
-	rm -rf .cache $(VENV) .venv-3.12 .venv-3.13
+	rm -rf .cache $(VENV)
