@@ -153,7 +153,8 @@ def decode(lease: JSON, *, whole: bool = True) -> LeaseRecord:
 
 
 def read(lease: JSON) -> LeaseRecord | None:
-    """`decode`, or None for a Lease that names no namespace and name (nothing to decide with)."""
+    """`decode`, or None for a Lease that cannot be read at all (no namespace or name, or a
+    metadata or spec that is no object): nothing to decide with."""
     try:
         return decode(lease)
     except (ValueError, KeyError, TypeError, AttributeError):
