@@ -39,7 +39,7 @@ def test_a_ready_unit_virtualenv_is_used_as_it_is_and_other_requirements_get_ano
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text('[project]\nname = "x"\ndependencies = ["pydantic>=2.7"]\n'
                          '[project.optional-dependencies]\noperator = []\ntest = ["pytest>=8"]\n')
-    venv = unitvenv.location("3.99.0", pyproject)
+    venv = unitvenv.location("3.99.0", unitvenv.requirements(pyproject))
     assert venv.is_relative_to(tmp_path / "cache")
     with pytest.raises(SystemExit, match="Python 3.99.0 is not installed"):  # not made yet: it needs that Python
         unitvenv.ensure("3.99.0", pyproject)
@@ -47,5 +47,6 @@ def test_a_ready_unit_virtualenv_is_used_as_it_is_and_other_requirements_get_ano
     (venv / ".ready").touch()
     assert unitvenv.ensure("3.99.0", pyproject) == venv  # made before: no Python, no pip, no lock
     pyproject.write_text(pyproject.read_text().replace("pydantic>=2.7", "pydantic>=2.8"))
-    assert unitvenv.location("3.99.0", pyproject) != venv
-    assert unitvenv.location("3.98.0", pyproject) != unitvenv.location("3.99.0", pyproject)
+    wanted = unitvenv.requirements(pyproject)
+    assert unitvenv.location("3.99.0", wanted) != venv
+    assert unitvenv.location("3.98.0", wanted) != unitvenv.location("3.99.0", wanted)

@@ -47,9 +47,9 @@ def interpreter(version: str) -> Path:
     return Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions" / version / "bin" / "python"
 
 
-def location(version: str, pyproject: Path = ROOT / "pyproject.toml") -> Path:
-    """Where the virtualenv for Python `version` and `pyproject`'s requirements lives."""
-    key = hashlib.sha256(json.dumps([version, requirements(pyproject)]).encode()).hexdigest()[:12]
+def location(version: str, wanted: list[str]) -> Path:
+    """Where the virtualenv for Python `version` and the requirements `wanted` lives."""
+    key = hashlib.sha256(json.dumps([version, wanted]).encode()).hexdigest()[:12]
     return cache_root() / "venvs" / f"python-{version}-{key}"
 
 
@@ -57,7 +57,7 @@ def ensure(version: str, pyproject: Path = ROOT / "pyproject.toml") -> Path:
     """The virtualenv at `location`, made if missing. A lock keeps two clones from making the
     same one at once; one left half made (its maker was killed) is made again."""
     wanted = requirements(pyproject)
-    venv = location(version, pyproject)
+    venv = location(version, wanted)
     if (venv / _READY).exists():
         return venv
     python = interpreter(version)
