@@ -4,15 +4,19 @@
 # --build-arg BASE_IMAGE=localhost/tasklease/debian-python:bookworm (no registry needed).
 # The default base is python:3.11-slim pinned by digest, so a build is reproducible.
 ARG BASE_IMAGE=python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
+# What the build stage starts from: the base, or the base with /opt/tasklease already holding
+# constraints.txt's packages (the development tools pass one they keep, so that a change of the
+# source alone does not download and install every dependency again).
+ARG BUILD_BASE=${BASE_IMAGE}
 
-FROM ${BASE_IMAGE} AS build
+FROM ${BUILD_BASE} AS build
 # Only for builds behind an egress proxy with its own CA (unset otherwise; not kept in the image).
 ARG PIP_CERT
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY operator ./operator
 # A venv the runtime stage copies whole; dumb-init is the container's init (below).
-RUN python3 -m venv /opt/tasklease \
+RUN { test -x /opt/tasklease/bin/pip || python3 -m venv /opt/tasklease; } \
  && /opt/tasklease/bin/pip install --no-cache-dir --disable-pip-version-check -c constraints.txt '.[operator]' dumb-init \
  && /opt/tasklease/bin/pip uninstall -y -q pip setuptools
 

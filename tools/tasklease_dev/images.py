@@ -24,6 +24,12 @@ BASE_IMAGE = "localhost/tasklease/debian-python:bookworm"
 # What the chart and examples/agent-deployment.yaml name (`tasklease:dev`), normalised.
 PROJECT_IMAGE = "docker.io/library/tasklease:dev"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+# The base with the image's pinned dependencies installed (`ensure_dependencies`), as the
+# Dockerfile's build stage would install them.
+DEPENDENCIES_IMAGE = "localhost/tasklease/dependencies"
+_DEPENDENCIES_RECIPE = ("python3 -m venv /opt/tasklease && /opt/tasklease/bin/pip install --no-cache-dir "
+                        "--disable-pip-version-check -r /tmp/constraints.txt && rm /tmp/constraints.txt")
+_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 # The pause container: sleep until told to stop, and reap children (the sandbox's PID 1).
 _PAUSE_C = r"""
@@ -130,18 +136,57 @@ def build_release_image(source: Path, image: str, archive: Path, *, labels: dict
     return archive
 
 
+def ensure_dependencies(source: Path, base: str) -> str:
+    """`base` with a venv in /opt/tasklease holding the packages `source`'s constraints.txt
+    pins: the Dockerfile's build stage starts from it (`BUILD_BASE`) and then installs the
+    project alone. Kept in buildah's store, named after the base image and the pins; made again
+    when either changes, and the one it replaces is removed."""
+    constraints = (source / "constraints.txt").read_bytes()
+    base_id = _buildah_out("inspect", "--type", "image", "--format", "{{.FromImageID}}", base)
+    key = hashlib.sha256(b"\0".join([_DEPENDENCIES_RECIPE.encode(), base_id.encode(), constraints]))
+    image = f"{DEPENDENCIES_IMAGE}:{key.hexdigest()[:16]}"
+    if _buildah_ok("inspect", "--type", "image", image):
+        return image
+    _log("installing the image's pinned dependencies (once per base and constraints.txt)...")
+    container = _buildah_out("from", "--pull=never", base)
+    try:
+        _buildah("copy", container, str(source / "constraints.txt"), "/tmp/constraints.txt")
+        _buildah("run", "--network", "host", *_ca_mount(), *(f"--env={k}={v}" for k, v in _pip_settings()),
+                 container, "--", "sh", "-c", _DEPENDENCIES_RECIPE)
+        _buildah("commit", "-q", "--rm", container, image)
+    except BaseException:
+        _buildah_ok("rm", container)
+        raise
+    for stale in _buildah_out("images", "--noheading", "--format", "{{.Name}}:{{.Tag}}").split():
+        if stale.startswith(f"{DEPENDENCIES_IMAGE}:") and stale != image:
+            _buildah_ok("rmi", stale)
+    return image
+
+
+def _ca_mount() -> list[str]:
+    """The host's CA bundle, for a step that runs pip: PyPI may be reached through an
+    egress proxy whose CA only the host's bundle has."""
+    return ["-v", f"{_CA_BUNDLE}:{_CA_BUNDLE}:ro"] if Path(_CA_BUNDLE).exists() else []
+
+
+def _pip_settings() -> list[tuple[str, str]]:
+    """What pip needs from the host's environment inside a build step: its proxies, its index,
+    and the CA bundle `_ca_mount` brings."""
+    found = [(k, v) for k, v in os.environ.items()
+             if k.lower() in ("http_proxy", "https_proxy", "no_proxy", "pip_index_url")]
+    return found + ([("PIP_CERT", _CA_BUNDLE)] if _ca_mount() else [])
+
+
 def _bud(source: Path, image: str, base: str, *build_args: str) -> None:
-    """`buildah bud` of the project's Dockerfile on `base`, tagged `image`."""
-    # PyPI is reached through the host's network (buildah's default RUN network is a
-    # bridge), and possibly through an egress proxy whose CA only the host's bundle has.
-    ca_bundle = "/etc/ssl/certs/ca-certificates.crt"
-    mounts = ["-v", f"{ca_bundle}:{ca_bundle}:ro"] if Path(ca_bundle).exists() else []
-    proxy_args = [f"--build-arg={k}={v}" for k, v in os.environ.items()
-                  if k.lower() in ("http_proxy", "https_proxy", "no_proxy", "pip_index_url")]
+    """`buildah bud` of the project's Dockerfile on `base`, tagged `image`, its build stage
+    started from `ensure_dependencies`; then the images left without a name (the one `image`
+    named before) go."""
+    # PyPI is reached through the host's network (buildah's default RUN network is a bridge).
     _buildah("bud", "-q", "--pull=never", "--network", "host", "--layers=false",
-             f"--build-arg=BASE_IMAGE={base}", *proxy_args, *mounts,
-             *([f"--build-arg=PIP_CERT={ca_bundle}"] if mounts else []), *build_args,
+             f"--build-arg=BASE_IMAGE={base}", f"--build-arg=BUILD_BASE={ensure_dependencies(source, base)}",
+             *(f"--build-arg={k}={v}" for k, v in _pip_settings()), *_ca_mount(), *build_args,
              "-t", image, "-f", str(source / "Dockerfile"), str(source))
+    _buildah_ok("rmi", "--prune")
 
 
 def buildah_store() -> list[str]:
