@@ -28,6 +28,15 @@ def test_reset_starts_over_from_the_base() -> None:
     assert backoff.next() <= 1
 
 
+def test_a_try_that_ran_healthy_before_failing_starts_the_delays_over() -> None:
+    backoff = Backoff(base_s=1, cap_s=60, healthy_s=10, rng=random.Random(3))
+    quick = [backoff.failed(ran_s=0.1) for _ in range(4)]  # one outage: each try fails at once
+    assert all(d / 2 <= delay <= d for delay, d in zip(quick, [1, 2, 4, 8], strict=True)), quick
+    assert backoff.failed(ran_s=9.9) >= 8  # not yet healthy: still the same outage
+    assert backoff.failed(ran_s=10.0) <= 1  # streamed 10 s, then failed: a new outage
+    assert Backoff(base_s=1, cap_s=60, failures=4).failed(ran_s=600) >= 8  # without healthy_s, only reset() does
+
+
 def test_many_failures_do_not_overflow() -> None:
     backoff = Backoff(base_s=0.5, cap_s=30, failures=10_000)
     assert 15 <= backoff.next() <= 30

@@ -29,6 +29,9 @@ class Backoff:
     cap_s: float = 30.0
     rng: random.Random = field(default_factory=random.Random)
     failures: int = 0
+    # For a loop whose tries last (a watch): one that ran this long before it failed had
+    # recovered, and `failed` starts the delays over (see there). None: only `reset` does.
+    healthy_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.base_s <= self.cap_s:
@@ -39,6 +42,14 @@ class Backoff:
         ceiling = min(self.cap_s, self.base_s * 2.0 ** min(self.failures, 64))
         self.failures += 1
         return ceiling / 2 + self.rng.uniform(0, ceiling / 2)
+
+    def failed(self, ran_s: float) -> float:
+        """`next()` after a try that ran `ran_s` before it failed. Without this, a watch that
+        failed during one outage and then streamed for minutes would wait longer at the next
+        outage, as if the two were one: up to the cap, long after the server is back."""
+        if self.healthy_s is not None and ran_s >= self.healthy_s:
+            self.reset()
+        return self.next()
 
     def reset(self) -> None:
         self.failures = 0

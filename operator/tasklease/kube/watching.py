@@ -5,8 +5,9 @@ while it reconnected is missed; when the server no longer has that version (410 
 it lists again and reports what disappeared meanwhile as deletions. Lists are paginated
 (`limit`/`continue`): a large queue never arrives as one huge answer; one that outlives
 its snapshot goes on at the server's current version (see `_relist`). Failures are retried
-with capped exponential backoff (`api.retry.Backoff`); only a 410 relists, and a permanent
-error (no rights, no CRD) stops the thread with `error` set, logged once.
+with capped exponential backoff (`api.retry.Backoff`), which starts over once a list or watch
+has run for a while; only a 410 relists, and a permanent error (no rights, no CRD) stops the
+thread with `error` set, logged once.
 
 `watch_list=True` lists as a streaming list instead (`sendInitialEvents`, on by default since
 Kubernetes 1.32): the selected objects arrive as the first events of a watch, served from
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection
 
 from tasklease.api import errors
@@ -33,6 +35,9 @@ from tasklease.kube.client import INITIAL_EVENTS_END
 # The timeout of a streaming list's response, which the watch then goes on in: a deep queue
 # listed by many agents at once takes minutes, longer than a watch's usual timeout.
 LIST_TIMEOUT_S = 1800
+# A list or watch that ran this long before it failed had recovered from any earlier failure:
+# its retry waits the shortest delay again (an API server restarted twice is two outages).
+_HEALTHY_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +108,9 @@ class Reflector:
         return self._thread.ident is not None and not self._thread.is_alive()
 
     def _run(self) -> None:
-        backoff = Backoff(base_s=0.5, cap_s=30.0)
+        backoff = Backoff(base_s=0.5, cap_s=30.0, healthy_s=_HEALTHY_S)
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self._list_and_watch()
                 backoff.reset()  # a stream that ended normally: resume at once
@@ -115,14 +121,14 @@ class Reflector:
                 if not transient(exc):
                     log.error("watch of %s stopped: %s", self.resource.plural, exc)
                     return
-                delay = backoff.next()
+                delay = backoff.failed(time.monotonic() - started)
                 log.warning("watch of %s interrupted (%s); resuming in %.1fs", self.resource.plural, exc, delay)
                 self._stop.wait(delay)
             except Exception as exc:  # noqa: BLE001 - a dead watch thread would freeze the agent's view
                 # Something we could not read (a bug, a malformed event): start over.
                 self.error = exc
                 self._rv = ""
-                delay = backoff.next()
+                delay = backoff.failed(time.monotonic() - started)
                 log.error("watch of %s failed: %s; resuming in %.1fs", self.resource.plural, exc, delay)
                 self._stop.wait(delay)
 
