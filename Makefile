@@ -88,8 +88,8 @@ unit-all: unit ## the unit tests on every supported Python (3.11, and 3.12 and 3
 	  PYTHONPATH=operator:tools $$venv/bin/python -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS) || exit 1; \
 	done
 
-test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the test suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), e2e, kind-e2e
-	$(PY) -m pytest --ignore=tests/test_node_e2e.py --ignore=tests/test_kind_e2e.py $(PYTEST_ARGS)
+test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the rest of the suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), e2e, kind-e2e
+	$(PY) -m pytest -m "not unit" --ignore=tests/test_node_e2e.py --ignore=tests/test_kind_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
 	$(MAKE) kind-e2e
 
