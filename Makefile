@@ -10,10 +10,12 @@ LOCAL  := $(PY) -m tasklease_dev
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
+# --no-compile: a module is byte-compiled when first imported, and most of those installed never
+# are (the Kubernetes client's models); compiling them all took a third of the install.
 $(STAMP): pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[operator,test]' -e tools
+	$(PY) -m pip install -q --no-compile -e '.[operator,test]' -e tools
 	rm -f $(VENV)/.installed-*; touch $@
 
 venv: $(STAMP) ## create the virtualenv; install tasklease (operator and test extras) and tools/ (development)
