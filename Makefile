@@ -66,9 +66,12 @@ generate: venv ## regenerate crds/, the chart's CRD, RBAC, admission policy and 
 	$(PY) -m tasklease_dev.clidoc
 	$(PY) -m tasklease_dev.specdoc
 
+# mypy's cache is kept beside the binaries for every clone: it compares each file's hash, so a
+# fresh clone checks again only what differs from what was checked before.
 lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/ruff check operator tools tests
-	$(VENV)/bin/mypy
+	MYPY_CACHE_DIR="$$($(PY) -c 'from tasklease_dev.binaries import cache_root; print(cache_root() / "mypy")')" \
+	  $(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
 # Pure logic: no control plane, a fake Kube or tasklease.testing, injected clocks (marker `unit`).
@@ -107,7 +110,7 @@ bench: build ## every target of docs/benchmarks.md, beside floors from the same 
 dist: venv ## a release into dist/: wheel, sdist, chart, image (OCI archive, buildah), krew plugin, SHA256SUMS
 	$(PY) -m tasklease_dev.dist $(DIST_ARGS)
 
-clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (the binaries and unit-test virtualenvs in ~/.cache/tasklease stay)
+clean: cluster-down ## stop every control plane this clone started, remove .cache/ and the virtualenv (the binaries, unit-test virtualenvs and mypy cache in ~/.cache/tasklease stay)
 	for w in .cache/test-cluster .cache/bench/cluster .cache/chaos/cluster; do \
 	  test ! -d $$w || $(LOCAL) --workdir $$w --kubeconfig $$w/kubeconfig down; done
 	rm -rf .cache $(VENV)
