@@ -6,6 +6,10 @@
   window ride along, so a task claimed and finished within it gets one reconcile.
 - `add_at` wakes a key at a monotonic time (one `DeadlineQueue`, no timer per key);
   `retry` does so after a per-key capped exponential backoff that `forget` resets.
+- Idle workers are woken one at a time: by a key queued now, by a time earlier than every
+  one they wait for, or by the worker before them, which wakes the next as it takes a key
+  while others are queued or scheduled. One idle worker watches the clock; waking them all at
+  every change woke every worker several times a task.
 
 Thread-safe; the caller's clock is injected. No I/O here.
 """
@@ -41,7 +45,7 @@ class WorkQueue(Generic[K]):
         """Queue `key` now."""
         with self._cond:
             self._pending[key] = None
-            self._cond.notify_all()
+            self._cond.notify()
 
     def add_soon(self, key: K) -> None:
         """Queue `key` at the end of the coalescing window its first event opens."""
@@ -50,22 +54,24 @@ class WorkQueue(Generic[K]):
             return
         with self._cond:
             if key not in self._pending and key not in self._coalescing:
+                when = self.monotonic() + self.coalesce_s
+                self._wake_if_first(when)
                 self._coalescing.add(key)
-                self._soon.append((self.monotonic() + self.coalesce_s, key))
-                self._cond.notify_all()
+                self._soon.append((when, key))
 
     def add_at(self, key: K, when: float) -> None:
         """Queue `key` at monotonic time `when` (its one wake-up: a later call replaces it)."""
         with self._cond:
+            self._wake_if_first(when)
             self._deadlines.schedule(key, when)
-            self._cond.notify_all()
 
     def retry(self, key: K, *, base_s: float) -> None:
         """Queue `key` again after its next backoff: `base_s`, doubling, capped."""
         with self._cond:
             backoff = self._retries.setdefault(key, Backoff(base_s=base_s, cap_s=_RETRY_CAP_S))
-            self._deadlines.schedule(key, self.monotonic() + backoff.next())
-            self._cond.notify_all()
+            when = self.monotonic() + backoff.next()
+            self._wake_if_first(when)
+            self._deadlines.schedule(key, when)
 
     def forget(self, key: K) -> None:
         """`key` went well: its next retry starts from the base again."""
@@ -87,9 +93,10 @@ class WorkQueue(Generic[K]):
                 if key not in self._inflight:
                     del self._pending[key]
                     self._inflight.add(key)
+                    if self._pending or self._earliest() is not None:
+                        self._cond.notify()  # the next idle worker takes over (see the module)
                     return key
-            nxt = min((t for t in (self._deadlines.next_at(), self._soon[0][0] if self._soon else None)
-                       if t is not None), default=None)
+            nxt = self._earliest()
             wait = self.max_wait_s if nxt is None else min(max(nxt - self.monotonic(), 0.0), self.max_wait_s)
             self._cond.wait(wait)
             return None
@@ -98,7 +105,20 @@ class WorkQueue(Generic[K]):
         """A worker has finished with `key`: if it was queued again meanwhile, it may be taken."""
         with self._cond:
             self._inflight.discard(key)
-            self._cond.notify_all()
+            if key in self._pending:
+                self._cond.notify()
+
+    def _earliest(self) -> float | None:
+        """Caller holds the lock. The earliest time a key is scheduled or coalescing for."""
+        return min((t for t in (self._deadlines.next_at(), self._soon[0][0] if self._soon else None)
+                    if t is not None), default=None)
+
+    def _wake_if_first(self, when: float) -> None:
+        """Caller holds the lock. Wake an idle worker if `when` comes before every time the
+        idle workers wait for."""
+        earliest = self._earliest()
+        if earliest is None or when < earliest:
+            self._cond.notify()
 
     def queued(self, key: K) -> bool:
         """`key` is waiting for a worker or has one (not merely scheduled for later)."""
