@@ -149,7 +149,7 @@ _BUILTIN = {f":{chain}" for chain in ("INPUT", "FORWARD", "OUTPUT", "PREROUTING"
 
 def _node_snapshot() -> dict[str, Any]:
     """What the node may change on this machine, to compare after `make node-down`."""
-    leaks = [*node.HOST_LEAKS, Path("/etc/cni"), Path("/run/runc"), Path("/var/lib/containers")]
+    leaks = [*node.HOST_LEAKS, *node.SHARED_LEAKS, Path("/etc/cni"), Path("/run/runc"), Path("/var/lib/containers")]
     return {
         "sysctls": node.read_sysctls(),
         # Rules, and chains by name: a table's header and COMMIT appear once anything used it, and

@@ -51,8 +51,12 @@ SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops")
 # Written by the kubelet and containerd outside their configured directories.
 HOST_LEAKS = (Path("/var/lib/kubelet"), Path("/usr/libexec/kubernetes"), Path("/var/log/containers"),
               Path("/var/log/pods"), Path("/run/containerd"))
+# Written by containerd's CNI plugins (their cache) where other software may keep state too:
+# removed at `down` only when `up` did not find them.
+SHARED_LEAKS = (Path("/var/lib/cni"),)
 _STATE_FILE = "node.json"
 _SYSCTL_FILE = "sysctls.json"
+_FRESH_FILE = "fresh-paths.json"
 _READY_TIMEOUT_S = 120.0
 # Debian packages and a file each one provides.
 _PACKAGES = {
@@ -133,6 +137,7 @@ class LocalNode:
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
             _save_sysctls(self.workdir / _SYSCTL_FILE)
+            _save_fresh(self.workdir / _FRESH_FILE)
             for group in NODE_GROUPS:  # before the rules: they name existing groups
                 (CGROUP_V2 / group).mkdir(exist_ok=True)
             add_iptables_rules()
@@ -177,6 +182,7 @@ class LocalNode:
         _remove_cgroups()
         for leak in HOST_LEAKS:
             _remove(leak)
+        _remove_fresh(self.workdir / _FRESH_FILE)
         _restore_sysctls(self.workdir / _SYSCTL_FILE)
         _remove(self.workdir)
 
@@ -484,6 +490,20 @@ def _save_sysctls(path: Path) -> None:
     # Never overwrite: after an interrupted run the file holds the values from before the kubelet.
     if not path.exists():
         path.write_text(json.dumps(read_sysctls()))
+
+
+def _save_fresh(path: Path) -> None:
+    # Never overwrite, as `_save_sysctls`: after an interrupted run the node made them.
+    if not path.exists():
+        path.write_text(json.dumps([str(p) for p in SHARED_LEAKS if not p.exists()]))
+
+
+def _remove_fresh(path: Path) -> None:
+    if not path.exists():
+        return
+    for name in json.loads(path.read_text()):
+        _remove(Path(name))
+    path.unlink()
 
 
 def _restore_sysctls(path: Path) -> None:
