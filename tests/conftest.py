@@ -277,6 +277,18 @@ def operator(operator_factory: Callable[..., Operator]) -> Operator:
     return operator_factory("--no-leader-elect")
 
 
+def audit_lines(path: Path) -> int:
+    """How many events the audit log holds now: where `audit_since` starts."""
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def audit_since(path: Path, start: int) -> list[dict[str, Any]]:
+    """The audit log's events from the `start`-th on."""
+    with open(path) as f:
+        return [json.loads(line) for i, line in enumerate(f) if i >= start]
+
+
 def read_audit(path: Path, *, namespace: str, resource: str | None = None) -> list[dict[str, Any]]:
     """Audit events of one namespace, in the order the API server logged them."""
     out = []

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from conftest import (ROOT, Cluster, Operator, Process, agent_pod_kubeconfig, make_task, service_account_kubeconfig,
-                      tasklease_cmd, wait_for)
+from conftest import (ROOT, Cluster, Operator, Process, agent_pod_kubeconfig, audit_lines, audit_since, make_task,
+                      service_account_kubeconfig, tasklease_cmd, wait_for)
 from tasklease.agent import Agent, Identity
 from tasklease.agent.cancel import _QueueFollower
 from tasklease.agent.runner import Runner
@@ -325,7 +325,7 @@ def test_a_zombie_process_counts_as_gone() -> None:
 
 def test_sigterm_stops_the_operator_cleanly(operator_factory, namespace: str,  # type: ignore[no-untyped-def]
                                             audit_log: Path) -> None:
-    start = audit_log.stat().st_size
+    start = audit_lines(audit_log)
     op = operator_factory()  # with leader election
     # Ready is ours (the Task and Lease watches, the election); kopf may still be discovering
     # the API for its Pod and CRD watches. A SIGTERM then costs kopf's 5-s wait for a discovery
@@ -341,11 +341,9 @@ def test_sigterm_stops_the_operator_cleanly(operator_factory, namespace: str,  #
 
 
 def _watched_pods(audit_log: Path, start: int, user: str) -> bool:
-    """Has `user` started a watch of Pods, by the audit log from byte `start` on?"""
-    with open(audit_log, "rb") as f:
-        f.seek(start)
-        return any(e["verb"] == "watch" and e["objectRef"].get("resource") == "pods"
-                   and e["user"].get("username") == user for e in map(json.loads, f) if "objectRef" in e)
+    """Has `user` started a watch of Pods, by the audit log's events from the `start`-th on?"""
+    return any(e["verb"] == "watch" and (e.get("objectRef") or {}).get("resource") == "pods"
+               and e["user"].get("username") == user for e in audit_since(audit_log, start))
 
 
 # -- found by reading ---------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from conftest import NEVER_SCHEDULED, ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
+from conftest import (NEVER_SCHEDULED, ROOT, Cluster, Operator, Process, audit_lines, audit_since, make_task,
+                      tasklease_cmd, wait_for)
 from tasklease.protocol import record
 from tasklease.kube import LEASES, PODS, TASKS, Kube
 
@@ -271,14 +272,14 @@ def test_at_idle_the_operator_makes_no_request_but_its_watches(
     assert run.wait(60) == 0
     wait_for(lambda: _phase(kube, "settled") == "Succeeded", message="the task to settle")
     time.sleep(1)  # let the last status write and its Events land before the window opens
-    start = _audit_lines(audit_log)
+    start = audit_lines(audit_log)
     # The idle window itself: what we measure is the absence of requests. It outlasts every
     # period of the operator's own (queue status and ticks under a second, health 10 s) three times.
     time.sleep(IDLE_WINDOW_S)
     user = f"system:serviceaccount:{namespace}:tasklease-operator"
     # A request refused before authentication (a token not yet valid) is logged without a username.
-    before = [e for e in _events_since(audit_log, 0)[:start] if e["user"].get("username") == user]
-    during = [e for e in _events_since(audit_log, start) if e["user"].get("username") == user]
+    before = [e for e in audit_since(audit_log, 0)[:start] if e["user"].get("username") == user]
+    during = [e for e in audit_since(audit_log, start) if e["user"].get("username") == user]
     watched = {e["objectRef"]["resource"] for e in before if e["verb"] == "watch"}
     assert {"tasks", "leases", "pods"} <= watched, watched
     assert [(e["verb"], e["requestURI"]) for e in during if e["verb"] != "watch"] == []
@@ -288,16 +289,6 @@ def test_at_idle_the_operator_makes_no_request_but_its_watches(
     make_task(kube, "after-idle", queue="idle", notBefore=_in_an_hour())
     wait_for(lambda: _reason(kube, "after-idle") == "Scheduled", message="the operator to see a new task")
     assert op.proc.poll() is None
-
-
-def _audit_lines(path: Path) -> int:
-    with open(path) as f:
-        return sum(1 for _ in f)
-
-
-def _events_since(path: Path, start: int) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for i, line in enumerate(f) if i >= start]
 
 
 def _lease_or_none(kube: Kube, name: str) -> str:
