@@ -8,7 +8,6 @@ the protocol must see.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,7 +17,7 @@ from urllib.parse import quote, urlencode
 import urllib3
 
 from tasklease.api import errors, resource
-from tasklease.kube import decode, stream
+from tasklease.kube import decode
 from tasklease.kube.connection import Connection, connect
 from tasklease.kube.servertime import ServerClock
 
@@ -204,34 +203,41 @@ class Kube:
 
     def watch(self, res: Resource, *, namespace: str | None, resource_version: str,
               label_selector: str = "", field_selector: str = "", timeout_s: int = 300,
-              initial_events: bool = False, batch_s: float = 0.0,
-              stop: threading.Event | None = None) -> Iterator[JSON]:
+              initial_events: bool = False) -> Iterator[JSON]:
         """Stream watch events from `resource_version` until the server closes the stream. With
         `initial_events`, the stream starts with an ADDED event for every selected object as of
         a version not older than `resource_version` ("0": any the server's watch cache has),
-        then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`).
-        With `batch_s`, events are read a batch at a time (`stream.lines`), and the stream
-        ends early when `stop` is set."""
+        then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`)."""
         query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
         if initial_events:
             query.update(sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
         resp = self._send("GET", res.path(namespace), query=query, body=None, content_type="application/json",
                           timeout=(10, _WATCH_READ_TIMEOUT_S))
+        buffer = b""
+        ended = False
         try:
-            for line in stream.lines(resp, batch_s=batch_s, stop=stop):
-                yield decode.loads(line)
-        except TimeoutError as exc:
+            for chunk in resp.stream(4096, decode_content=False):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        yield decode.loads(line)
+            ended = True
+        except urllib3.exceptions.ReadTimeoutError as exc:
             if initial_events:  # a list cut short, not a quiet watch
                 raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
             # Nothing, not even a bookmark, for the read timeout: it ends as if the server had
             # closed it, and is resumed from the last version seen.
             return
-        except OSError as exc:
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
         finally:
-            # Read past http.client's own reading, the connection is of no use to another request.
-            resp.close()
+            if not ended:
+                # Left before the server ended it (the reader stopped, or the read failed): the
+                # rest of the stream is still coming on this connection, which no other
+                # request may reuse.
+                resp.close()
             resp.release_conn()
 
 

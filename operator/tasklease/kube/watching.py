@@ -38,9 +38,6 @@ LIST_TIMEOUT_S = 1800
 # A list or watch that ran this long before it failed had recovered from any earlier failure:
 # its retry waits the shortest delay again (an API server restarted twice is two outages).
 _HEALTHY_S = 10.0
-# How often a watch wakes up at most to read its events (`stream`): on a busy stream, one
-# wake-up for the events of this long, each at most this late.
-BATCH_S = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +64,13 @@ class Reflector:
     `field_selector` is delivered as DELETED, one that starts to as ADDED, and changes of
     objects outside it not at all. The API server sends an object that leaves a watch's
     selection as a DELETED of its previous content, copied and encoded again for each
-    watcher; a MODIFIED is encoded once for all of them.
-
-    `batch_s`: the watch reads its events a batch at a time, waking up at most that often
-    (`kube.stream`)."""
+    watcher; a MODIFIED is encoded once for all of them."""
 
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
                  keep_objects: bool = True, known: Callable[[], Collection[str]] | None = None,
                  page_size: int = 500, since: str = "", watch_list: bool = False,
-                 watch_field_selector: str = "", batch_s: float = BATCH_S) -> None:
+                 watch_field_selector: str = "") -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -90,7 +84,6 @@ class Reflector:
         self.known = known
         self.page_size = page_size
         self.watch_list = watch_list
-        self.batch_s = batch_s
         self.store: dict[str, JSON | tuple[str, str]] = {}
         self.synced = threading.Event()
         self.error: Exception | None = None  # the last failure, until the next success
@@ -212,8 +205,7 @@ class Reflector:
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
                                      label_selector=self.label_selector, field_selector=self.field_selector,
-                                     timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True,
-                                     batch_s=self.batch_s, stop=self._stop):
+                                     timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True):
             if self._stop.is_set():
                 return bool(self._rv)
             kind, obj = event["type"], event["object"]
@@ -254,7 +246,7 @@ class Reflector:
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
                                      label_selector=self.label_selector, field_selector=self.watch_field_selector,
-                                     timeout_s=self.watch_timeout_s, batch_s=self.batch_s, stop=self._stop):
+                                     timeout_s=self.watch_timeout_s):
             if self._stop.is_set():
                 return
             self._event(event["type"], event["object"])
