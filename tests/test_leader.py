@@ -31,6 +31,24 @@ def test_stop_hands_over_and_calls_on_stopped(kube: Kube) -> None:
     assert current is not None and current.holder == ""  # handed over at once
 
 
+def test_the_first_attempt_decides_the_role_leader_or_standby(kube: Kube) -> None:
+    started = threading.Event()
+    leader = LeaderElector(kube, _config(kube), identity="first", on_started=started.set, on_stopped=lambda: None)
+    standby = LeaderElector(kube, _config(kube), identity="second", on_started=lambda: None,
+                            on_stopped=lambda: None)
+    assert not leader.decided.is_set()
+    leader.start()
+    try:
+        assert leader.decided.wait(30)
+        assert leader.leading.is_set() and started.is_set()  # on_started ran before the role was known
+        standby.start()
+        assert standby.decided.wait(30)
+        assert not standby.leading.is_set()
+    finally:
+        standby.stop()
+        leader.stop()
+
+
 def test_a_failing_on_started_is_logged_and_the_lease_handed_over(
         kube: Kube, caplog: pytest.LogCaptureFixture) -> None:
     stopped = threading.Event()

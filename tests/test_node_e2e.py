@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -252,8 +253,26 @@ def test_operator_pod_becomes_ready_with_its_real_probes(e2e: E2E) -> None:
         # The kubelet probes 127.0.0.1, where the operator listens: the same endpoints answer us.
         assert container["readinessProbe"]["httpGet"]["host"] == "127.0.0.1"
         for path in ("/readyz", "/healthz"):
-            with urllib.request.urlopen(f"http://127.0.0.1:{e2e.metrics_port}{path}", timeout=5) as resp:
-                assert resp.status == 200
+            # A request that failed meanwhile makes the operator unready for a while (by design):
+            # wait for 200, and report any other answer seen after the pod was Ready.
+            answers: list[str] = []
+
+            def ok(path: str = path, answers: list[str] = answers) -> bool:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{e2e.metrics_port}{path}", timeout=5) as resp:
+                        return resp.status == 200
+                except urllib.error.HTTPError as exc:
+                    answers.append(f"{exc.code} {exc.read().decode().strip()}")
+                    return False
+
+            started = time.monotonic()
+            try:
+                wait_for(ok, timeout=90, interval=0.5, message=f"{path} to answer 200")
+            except AssertionError as exc:
+                logs = e2e.kubectl("logs", "-n", NS, "-l", OPERATOR_SELECTOR, "--tail=40", check=False)
+                raise AssertionError(f"{exc}; it answered {answers[-1:]}; log:\n{logs}") from None
+            if answers:
+                e2e.figures[f"{path} after Ready"] = f"{answers[0]!r} for {time.monotonic() - started:.1f}s"
         with urllib.request.urlopen(f"http://127.0.0.1:{e2e.metrics_port}/metrics", timeout=5) as resp:
             assert b"tasklease_" in resp.read()
         # Never the eth0 address: the operator's endpoints are on loopback only.

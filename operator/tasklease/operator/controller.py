@@ -37,6 +37,7 @@ import socket
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
@@ -90,7 +91,8 @@ def run_operator(args: argparse.Namespace) -> int:
     queues = QueueController(kube, claimable=reconciler.claimable, active=reconciler.active,
                              synced=health.watches.synced)
     health.check()
-    server = _serve_http(args.http_host, args.http_port, ready, health) if args.http_port else None
+    decided = elector.decided.is_set if elector is not None else lambda: True
+    server = _serve_http(args.http_host, args.http_port, ready, decided, health) if args.http_port else None
     workers.start()
     renewals.start()
     threading.Thread(target=health.run, args=(stop,), name="health", daemon=True).start()
@@ -249,7 +251,8 @@ def _connection_info(kube: Kube) -> kopf.ConnectionInfo:
         scheme=scheme or None, token=value or None, default_namespace=kube.namespace)
 
 
-def _serve_http(host: str, port: int, ready: threading.Event, health: Health) -> ThreadingHTTPServer:
+def _serve_http(host: str, port: int, ready: threading.Event, decided: Callable[[], bool],
+                health: Health) -> ThreadingHTTPServer:
     reconciler = health.reconciler
 
     class Handler(BaseHTTPRequestHandler):
@@ -261,12 +264,13 @@ def _serve_http(host: str, port: int, ready: threading.Event, health: Health) ->
                 self._reply(503 if dead else 200, (dead or "ok").encode() + b"\n")
             elif self.path == "/readyz":
                 # A leader is ready once it has reconciled every Task that existed when it
-                # started leading (the initial backlog); a standby once its watches run.
-                role = "leader" if reconciler.active.is_set() else "standby"
+                # started leading (the initial backlog); a standby once its watches run and
+                # its first election attempt has ended (a lone replica is never a standby first).
+                role = "leader" if reconciler.leading.is_set() else "standby"
                 why = health.not_ready()
                 if why:
                     self._reply(503, f"not ready ({role}): {why}\n".encode())
-                elif (not ready.is_set() or not health.watches.synced()
+                elif (not ready.is_set() or not health.watches.synced() or not decided()
                       or (role == "leader" and not reconciler.caught_up.is_set())):
                     self._reply(503, f"starting {role}\n".encode())
                 else:

@@ -51,6 +51,9 @@ class LeaderElector:
         self.on_stopped = on_stopped
         self.monotonic = monotonic
         self.leading = threading.Event()
+        # Set once the first campaign step has ended (and on_started has run if it won):
+        # until then nobody knows whether we lead, so readiness waits for it.
+        self.decided = threading.Event()
         self._stop = threading.Event()
         self._observed_rv = ""
         self._observed_at = 0.0
@@ -98,6 +101,7 @@ class LeaderElector:
             elif self.leading.is_set() and now - last_renew > self.config.renew_deadline_s:
                 log.warning("lost leadership: no renewal for %.0fs", self.config.renew_deadline_s)
                 self._step_down()
+            self.decided.set()
             self._stop.wait(self.config.retry_period_s)
 
     def _step_down(self) -> None:
