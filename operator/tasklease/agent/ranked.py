@@ -66,7 +66,7 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
     of every task outside the first page's best band, and when that too is more than a page,
     two more, of the tasks that could go first (no label, a higher rank). Those after the
     first two (and the pages of a band read on) are served by the API server's watch cache
-    once it is at least as fresh as the first page (`_since`), so they see every task the
+    once it is at least as fresh as the first page (`not_older_than`), so they see every task the
     first page's snapshot holds: the order is strict over every task that existed when the
     claim began. `beside` reads the second of the two LISTs while this thread reads the first.
 
@@ -80,15 +80,16 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
     # scan finds what is outside a band (`!=` selects a task without the label too); a guess
     # that is wrong fills its page at once.
     start = "" if fresh else ANY_VERSION
-    guess = beside.submit(_since, kube, namespace=namespace, field_selector=field_selector,
-                          labels=f"{LABEL_RANK}!={_DEFAULT_RANK}", version=start, limit=page)
-    listing = _since(kube, namespace=namespace, field_selector=field_selector, labels="", version=start, limit=page)
+    guess = beside.submit(kube.list, TASKS, namespace=namespace, field_selector=field_selector,
+                          label_selector=f"{LABEL_RANK}!={_DEFAULT_RANK}", limit=page, not_older_than=start)
+    listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page, not_older_than=start)
     outside_default = guess.result()
     first = listing.get("items", [])
     if not first:
         return
     version = (listing.get("metadata") or {}).get("resourceVersion", "")
-    since = functools.partial(_since, kube, namespace=namespace, field_selector=field_selector, version=version)
+    since = functools.partial(kube.list, TASKS, namespace=namespace, field_selector=field_selector,
+                              not_older_than=version)
     pool = {task["metadata"]["name"]: task for task in first}
     # The band read in part: the default one when every task outside it was read beside the
     # first page, else the best of the first page (the bands below it are partly read too).
@@ -97,13 +98,13 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
         others = outside_default
     else:
         seen = max(_rank_of(task) for task in first)
-        others = outside_default if seen == _DEFAULT_RANK else since(labels=f"{LABEL_RANK}!={seen}", limit=page)
+        others = outside_default if seen == _DEFAULT_RANK else since(label_selector=f"{LABEL_RANK}!={seen}", limit=page)
     pool.update((task["metadata"]["name"], task) for task in others.get("items", []))
     whole = not (others.get("metadata") or {}).get("continue")  # every task outside the band is read
     if not whole:  # many in other bands: only those that could go before this one
         higher = [f"{LABEL_RANK}>{seen}"] if seen < _CAP - 1 else []  # none above the highest priority
         for labels in (f"!{LABEL_RANK}", *higher):
-            pool.update((task["metadata"]["name"], task) for task in since(labels=labels).get("items", []))
+            pool.update((task["metadata"]["name"], task) for task in since(label_selector=labels).get("items", []))
     # The band read in part has more tasks than the pool holds when the first page had more after it.
     unread = [seen] if (listing.get("metadata") or {}).get("continue") else []
     ceiling = _CAP  # the bands left are below this rank
@@ -126,19 +127,6 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
         ceiling = band
 
 
-def _since(kube: Kube, *, namespace: str, field_selector: str, labels: str, version: str, limit: int = 0) -> JSON:
-    """The selected Tasks (the first `limit` of them), from the watch cache once it has caught
-    up with `version`; with none, a consistent LIST (as fresh as etcd)."""
-    query: dict[str, str | int] = {"fieldSelector": field_selector}
-    if labels:
-        query["labelSelector"] = labels
-    if version:
-        query.update(resourceVersion=version, resourceVersionMatch="NotOlderThan")
-    if limit:
-        query["limit"] = limit
-    return kube.request("GET", TASKS.path(namespace), query=query)
-
-
 def _top(since: Callable[..., JSON], *, page: int, below: int | None) -> int | None:
     """The highest rank below `below` (None: any) of a selected task; None when there is none.
     Each LIST asks for a rank above the best seen so far: one more than the bands there are
@@ -146,7 +134,7 @@ def _top(since: Callable[..., JSON], *, page: int, below: int | None) -> int | N
     bound = f"{LABEL_RANK}<{_CAP if below is None else below}"
     selector, best = bound, None
     while True:
-        ranks = [_int(task) for task in since(labels=selector, limit=page).get("items", [])]
+        ranks = [_int(task) for task in since(label_selector=selector, limit=page).get("items", [])]
         higher = [r for r in ranks if r is not None and (best is None or r > best)]
         if not higher:
             return best

@@ -133,18 +133,20 @@ class Kube:
             return None
 
     def list(self, res: Resource, *, namespace: str | None = None, all_namespaces: bool = False,
-             label_selector: str = "", field_selector: str = "", limit: int = 0, timeout: float = 30) -> JSON:
+             label_selector: str = "", field_selector: str = "", limit: int = 0, timeout: float = 30,
+             not_older_than: str = "") -> JSON:
         """Every selected object, fetched page by page; `metadata.resourceVersion` is the list's.
-        With `limit`, only the first page, of at most that many objects."""
+        With `limit`, only the first page, of at most that many objects. `not_older_than`: as
+        in `list_pages`."""
         if limit:
             return next(self.list_pages(res, namespace=namespace, all_namespaces=all_namespaces, limit=limit,
                                         label_selector=label_selector, field_selector=field_selector,
-                                        timeout=timeout))
+                                        timeout=timeout, not_older_than=not_older_than))
         items: list[JSON] = []
         listed: JSON = {}
         for listed in self.list_pages(res, namespace=namespace, all_namespaces=all_namespaces,
                                       label_selector=label_selector, field_selector=field_selector,
-                                      timeout=timeout):
+                                      timeout=timeout, not_older_than=not_older_than):
             items.extend(listed.get("items", []))
         return {**listed, "items": items}
 
