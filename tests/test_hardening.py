@@ -424,7 +424,7 @@ def test_liveness_fails_when_the_reconciler_or_the_election_thread_dies(kube: Ku
                     watches=WatchHealth())
     workers.start()
     elector.start()
-    server = _serve_http("127.0.0.1", 0, threading.Event(), elector.decided.is_set, health)
+    server = _serve_http("127.0.0.1", 0, threading.Event(), elector, health)
 
     def healthz() -> tuple[int, str]:
         try:

@@ -37,7 +37,6 @@ import socket
 import sys
 import threading
 import uuid
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
@@ -91,8 +90,7 @@ def run_operator(args: argparse.Namespace) -> int:
     queues = QueueController(kube, claimable=reconciler.claimable, active=reconciler.active,
                              synced=health.watches.synced)
     health.check()
-    decided = elector.decided.is_set if elector is not None else lambda: True
-    server = _serve_http(args.http_host, args.http_port, ready, decided, health) if args.http_port else None
+    server = _serve_http(args.http_host, args.http_port, ready, elector, health) if args.http_port else None
     workers.start()
     renewals.start()
     threading.Thread(target=health.run, args=(stop,), name="health", daemon=True).start()
@@ -251,8 +249,9 @@ def _connection_info(kube: Kube) -> kopf.ConnectionInfo:
         scheme=scheme or None, token=value or None, default_namespace=kube.namespace)
 
 
-def _serve_http(host: str, port: int, ready: threading.Event, decided: Callable[[], bool],
+def _serve_http(host: str, port: int, ready: threading.Event, elector: LeaderElector | None,
                 health: Health) -> ThreadingHTTPServer:
+    """`elector`: None without leader election (we lead from the start)."""
     reconciler = health.reconciler
 
     class Handler(BaseHTTPRequestHandler):
@@ -266,11 +265,13 @@ def _serve_http(host: str, port: int, ready: threading.Event, decided: Callable[
                 # A leader is ready once it has reconciled every Task that existed when it
                 # started leading (the initial backlog); a standby once its watches run and
                 # its first election attempt has ended (a lone replica is never a standby first).
-                role = "leader" if reconciler.leading.is_set() else "standby"
+                # The role is the election's: a leader still seeding is not yet caught up.
+                role = "leader" if elector is None or elector.leading.is_set() else "standby"
+                decided = elector is None or elector.decided.is_set()
                 why = health.not_ready()
                 if why:
                     self._reply(503, f"not ready ({role}): {why}\n".encode())
-                elif (not ready.is_set() or not health.watches.synced() or not decided()
+                elif (not ready.is_set() or not health.watches.synced() or not decided
                       or (role == "leader" and not reconciler.caught_up.is_set())):
                     self._reply(503, f"starting {role}\n".encode())
                 else:

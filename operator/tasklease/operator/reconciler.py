@@ -72,9 +72,6 @@ class Reconciler:
         self.workers = workers
         self.happy_events = happy_events
         self.active = threading.Event()
-        # From activate() to deactivate(): we lead, seeded or not. Readiness reports this role,
-        # so a leader still seeding is a leader not yet caught up, never a ready standby.
-        self.leading = threading.Event()
         # Set once every Task that existed when we started leading has been reconciled once.
         self.caught_up = threading.Event()
         self._backlog: set[Key] | None = None  # None: not counted yet
@@ -121,7 +118,6 @@ class Reconciler:
             term = self._term
             self._backlog = None
             self.caught_up.clear()
-            self.leading.set()
         threading.Thread(target=self._seed, args=(term,), name="seed", daemon=True).start()
 
     def _seed(self, term: int) -> None:
@@ -209,7 +205,6 @@ class Reconciler:
     def deactivate(self) -> None:
         with self._lock:
             self._term += 1  # a seeding under way stops
-            self.leading.clear()
         self.active.clear()
         self.caught_up.clear()
         metrics.LEADER.set(0)
