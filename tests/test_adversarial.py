@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,9 @@ from test_chart import CHART, _helm
 from tasklease.agent import Agent, Identity
 from tasklease.api import errors, models
 from tasklease.api.timestamps import format_time, now_utc
-from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, Kube
-from tasklease.protocol import TaskView, members, policy, record
+from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKQUEUES, TASKS, Kube
+from tasklease.operator.queues import PAUSE_GRACE_S
+from tasklease.protocol import TaskView, members, policy, rate, record, slots
 from tasklease.protocol.rules import claimed, ended
 from tasklease.protocol.transitions import Held, Protocol
 
@@ -645,10 +648,7 @@ def test_a_pre_created_future_lease_is_removed_when_its_task_comes(
     Lease of an older task to the operator: removed when the Task comes, which is then claimable.
     (Agents that tried to claim the task while that Lease stood wait for it to be seen free:
     docs/security.md.)"""
-    mallory = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "mallory", chart_roles["agent"],
-                                                               tmp_path)))
-    uid = kube.get(PODS, "mallory")["metadata"]["uid"]
-    holder = Identity(pod="mallory", instance="1", pod_uid=record.short_uid(uid)).holder
+    mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
     early = record.LeaseRecord(name="later", namespace=namespace, queue="q", owner_uid=str(uuid.uuid4()),
                                holder=holder, epoch=1, history=(attempt(1, holder),))
     wait_for(lambda: _refusal(create(mallory, early)) == "", timeout=30, message="mallory's claim to be judged")
@@ -667,15 +667,115 @@ def test_a_claim_created_in_another_queue_is_put_back_in_its_tasks_queue(
         operator: Any) -> None:
     """The policy cannot read the Task's queue, so a creating claim may name another queue's:
     the operator labels the Lease with its Task's queue again, where that queue's agents look."""
-    mallory = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "mallory", chart_roles["agent"],
-                                                               tmp_path)))
-    uid = kube.get(PODS, "mallory")["metadata"]["uid"]
-    holder = Identity(pod="mallory", instance="1", pod_uid=record.short_uid(uid)).holder
+    mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
     view = TaskView.of(make_task(kube, "misfiled", queue="q"))
     misfiled = replace(claimed(view, None, holder, now_utc()), queue="elsewhere")
     wait_for(lambda: _refusal(create(mallory, misfiled)) == "", timeout=30, message="mallory's claim to be judged")
     wait_for(lambda: record.decode(kube.get(LEASES, "misfiled")).queue == "q", timeout=60,
              message="the Lease labelled with its task's queue")
+
+
+# -- queue controls the policy cannot count: kept by the operator (docs/security.md) ------------------
+
+
+def _mallory(cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str],
+             tmp_path: Path) -> tuple[Kube, str]:
+    """A hostile agent Pod of the test's namespace: its client (a token bound to its Pod) and holder."""
+    mallory = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "mallory", chart_roles["agent"],
+                                                               tmp_path)))
+    uid = kube.get(PODS, "mallory")["metadata"]["uid"]
+    return mallory, Identity(pod="mallory", instance="1", pod_uid=record.short_uid(uid)).holder
+
+
+def _taskqueue(kube: Kube, name: str, **spec: Any) -> None:
+    kube.create(TASKQUEUES, {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": "TaskQueue",
+                             "metadata": {"name": name}, "spec": spec})
+
+
+def _undone(kube: Kube, name: str) -> bool:
+    rec = record.decode(kube.get(LEASES, name))
+    return not rec.holder and bool(rec.history) and rec.history[-1].outcome == "Undone"
+
+
+def test_a_claim_labelled_with_another_queue_still_obeys_its_own_queues_controls(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        operator: Any) -> None:
+    """Claims created with another queue's label, in a paused queue and in one whose
+    maxRunning they hold no slot of, are undone once the operator has put them back in their
+    tasks' queues."""
+    mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
+    _taskqueue(kube, "stopped", paused=True)
+    _taskqueue(kube, "guarded", maxRunning=1)
+    views = [TaskView.of(make_task(kube, name, queue=queue)) for name, queue in (("s-1", "stopped"),
+                                                                                  ("g-1", "guarded"))]
+    wait_for(lambda: kube.get(TASKQUEUES, "stopped").get("status", {}).get("observedGeneration"),
+             message="the operator to see the paused queue")
+    time.sleep(PAUSE_GRACE_S)  # a claim within the grace after the pause may have been in flight: tolerated
+    for view in views:
+        write = create(mallory, replace(claimed(view, None, holder, now_utc()), queue="elsewhere"))
+        wait_for(lambda w=write: _refusal(w) == "", timeout=30, message="mallory's claim to be judged")
+    wait_for(lambda: _undone(kube, "s-1"), timeout=30, message="the claim in the paused queue undone")
+    wait_for(lambda: _undone(kube, "g-1"), timeout=60, message="the claim without a slot undone")
+
+
+def test_slots_numbered_above_max_running_cover_no_claim(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        operator: Any) -> None:
+    """The policy accepts any slot number (it cannot read the limit): slots 7 and 8 of a queue
+    whose maxRunning is 1 cover none of their holder's claims."""
+    mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
+    _taskqueue(kube, "limited", maxRunning=1)
+    names = [f"l-{i}" for i in range(3)]
+    for name in names:
+        make_task(kube, name, queue="limited")
+    assert slots.acquire(mallory, [], namespace=namespace, queue="limited", holder=holder, limit=1) is not None
+    for index in (7, 8):
+        mallory.create(LEASES, slots._body(mallory, "limited", index, holder))
+    for name in names:
+        Protocol(mallory).claim(TaskView.of(kube.get(TASKS, name)), None, holder)
+    wait_for(lambda: sum(_undone(kube, n) for n in names) == 2, timeout=60,
+             message="every claim but the one under slot 0 undone")
+    assert record.decode(kube.get(LEASES, "l-0")).holder == holder  # the oldest: the newest go first
+
+
+def test_a_rate_bucket_time_that_is_no_time(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path) -> None:
+    """The policy refuses a claim-rate bucket whose next-claim time is no time, and an honest
+    agent reading one all the same (written past the policy, say before it was installed)
+    takes it as now: no write of the bucket stops a claim."""
+    mallory, _ = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
+    _taskqueue(kube, "rated", claimsPerSecond=5)
+    bucket = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+              "metadata": {"name": rate.lease_name("rated"), "labels": {slots.LABEL_SLOT_OF: "rated"},
+                           "annotations": {rate.ANN_NEXT: "not-a-time"}},
+              "spec": {"leaseDurationSeconds": slots.DURATION_S}}
+    wait_for(lambda: "denied request" in _refusal(lambda: mallory.create(LEASES, bucket)), timeout=30,
+             message="the admission policy to be active")
+    assert f"{rate.ANN_NEXT} is an RFC 3339 time" in _refusal(lambda: mallory.create(LEASES, bucket))
+    kube.create(LEASES, bucket)  # as an admin, past the agents' policy
+    make_task(kube, "r-1", queue="rated")
+    with Agent(cluster.kube(namespace), identity=Identity(pod="honest", instance="1")) as agent:
+        agent.claim("rated", timeout=30).complete("ran")
+    assert rate.arrival(kube.get(LEASES, rate.lease_name("rated"))["metadata"]["annotations"][rate.ANN_NEXT])
+
+
+def test_a_release_that_puts_its_task_off_for_centuries(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        operator: Any) -> None:
+    """A holder may free its task with any not-before (the policy has no clock, and cannot read
+    the Task's backoff); the operator cuts it to one backoff from when it saw the Lease free."""
+    mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
+    view = TaskView.of(make_task(kube, "later", queue="q", backoff={"initialSeconds": 1, "maxSeconds": 2}))
+    held = Protocol(mallory).claim(view, None, holder)
+    far = datetime(2999, 1, 1, tzinfo=UTC)
+    freed = ended(held.record, outcome="Released", now=now_utc(), message="see you", not_before=far)
+    mallory.replace(LEASES, record.encode_replacement(freed))
+    wait_for(lambda: (record.decode(kube.get(LEASES, "later")).not_before or far) < far, timeout=30,
+             message="the operator to cut the not-before")
+    with Agent(cluster.kube(namespace), identity=Identity(pod="honest", instance="1")) as agent:
+        task = agent.claim("q", timeout=30)
+        task.complete("ran")
+    assert task.name == "later"
 
 
 # -- pod-bound leases (docs/pod-bound.md): only one's own Pod; the operator only renews ---------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -81,6 +82,26 @@ def test_a_backoff_the_holder_wrote_too_long_is_put_right_by_when_we_saw_it_end(
     assert action == Reschedule(T0 + timedelta(seconds=10))
     fair = failed(T0 + timedelta(seconds=10))
     assert decision.decide(view(backoff={"initialSeconds": 10, "jitter": 0}), fair, seen, NOW, SETTINGS) is None
+
+
+def test_a_release_that_puts_its_task_off_is_cut_to_one_backoff_from_when_we_saw_it_free() -> None:
+    """Only a failure's backoff is the operator's to measure, but no holder's write, whatever its
+    history says, puts a task off for longer than one backoff (docs/security.md)."""
+    seen = Observed(sighting=Sighting(1, record.FREE, T0, witnessed=True))
+    spec = {"backoff": {"initialSeconds": 10, "jitter": 0}}
+    last = models.Attempt(attempt=1, holder="p/1", claimed_at=T0, ended_at=T0, outcome="Released")
+    released = replace(failed(None), error="", history=(last,))
+    assert decision.decide(view(**spec), released, seen, NOW, SETTINGS) is None  # as the protocol releases
+    years = replace(released, not_before=T0 + timedelta(days=365 * 900))
+    assert decision.decide(view(**spec), years, seen, NOW, SETTINGS) == Reschedule(T0 + timedelta(seconds=10))
+    unwritten = replace(years, history=())  # no attempt ended at all
+    assert decision.decide(view(**spec), unwritten, seen, NOW, SETTINGS) == Reschedule(T0 + timedelta(seconds=10))
+    within = replace(released, not_before=T0 + timedelta(seconds=5))
+    assert decision.decide(view(**spec), within, seen, NOW, SETTINGS) is None
+    # The Task's own delayed start is no writer's: it is kept.
+    start = T0 + timedelta(days=2)
+    assert decision.decide(view(notBefore=start.isoformat(), **spec), replace(released, not_before=start), seen,
+                           NOW, SETTINGS) is None
 
 
 def test_the_next_look_is_the_soonest_of_a_delayed_start_a_ttl_and_a_deadline() -> None:

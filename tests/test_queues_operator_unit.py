@@ -13,7 +13,8 @@ pytest.importorskip("prometheus_client")  # the operator's extra: not on the SDK
 
 from fake_kube import FakeKube  # noqa: E402
 from tasklease.operator.queues import QueueController, rate_allowance  # noqa: E402
-from tasklease.protocol import record  # noqa: E402
+from tasklease.protocol import record, slots  # noqa: E402
+from tasklease.protocol.slots import Slot  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -39,10 +40,31 @@ def _taskqueue(generation: int, observed: int, **spec: object) -> dict[str, obje
             "status": {"observedGeneration": observed}}
 
 
-def _held(name: str) -> dict[str, object]:
-    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1",
-                         "labels": {"tasklease.dev/queue": "q"}},
+def _held(name: str, queue: str = "q", version: str = "1") -> dict[str, object]:
+    return {"metadata": {"name": name, "namespace": "ns", "resourceVersion": version,
+                         "labels": {"tasklease.dev/queue": queue}},
             "spec": {"holderIdentity": "rogue/1", "leaseTransitions": 1}}
+
+
+def _slot(index: int, holder: str = "rogue/1") -> Slot:
+    return Slot(name=f"tasklease-slot.q.{index}", namespace="ns", queue="q", index=index, holder=holder, version="1")
+
+
+def _uncovered(ctl: QueueController, queue_slots: list[Slot]) -> list[str]:
+    """The claims `_police_limit` takes back once they have been uncovered for `slots.STALE_S`."""
+    undone: list[str] = []
+    ctl._undo = lambda q, key, h, why: undone.append(key[1])  # type: ignore[method-assign]
+    ctl.kube.list = lambda *a, **kw: {"items": []}  # type: ignore[attr-defined]  # the fresh read: no slot
+    q = ctl._queues[("ns", "q")]
+    held = dict(ctl._held)
+    ctl._police_limit(q, ("ns", "q"), held, [(s, 0.0) for s in queue_slots], ctl.monotonic())
+    ctl.monotonic.t += slots.STALE_S  # type: ignore[attr-defined]
+    fresh = [{"metadata": {"name": s.name, "namespace": "ns", "resourceVersion": "1",
+                           "labels": {slots.LABEL_SLOT_OF: "q"}}, "spec": {"holderIdentity": s.holder}}
+             for s in queue_slots]
+    ctl.kube.list = lambda *a, **kw: {"items": fresh}  # type: ignore[attr-defined]
+    ctl._police_limit(q, ("ns", "q"), held, [(s, 0.0) for s in queue_slots], ctl.monotonic())
+    return undone
 
 
 def test_pause_and_resume_become_events_once() -> None:
@@ -85,3 +107,47 @@ def test_the_first_list_is_no_news_of_claims() -> None:
     for i in range(10):
         ctl.on_lease("ADDED", record.read(_held(f"old-{i}")))
     assert not ctl._claims.get(("ns", "q")) and not any(h.news for h in ctl._held.values())
+
+
+def test_a_slot_numbered_above_max_running_covers_no_new_claim() -> None:
+    """A hostile agent makes slots 7 and 8 of a queue whose maxRunning is 1: they cover none of
+    its claims, so all but one (slot 0's) are taken back, newest first."""
+    clock = _Clock()
+    ctl = _controller(clock)
+    ctl.on_queue("ADDED", _taskqueue(1, 1, maxRunning=1))
+    for i in range(3):
+        clock.t += 1
+        ctl.on_lease("ADDED", record.read(_held(f"t{i}")))
+    assert _uncovered(ctl, [_slot(0), _slot(7), _slot(8)]) == ["t2", "t1"]
+
+
+def test_lowering_max_running_takes_back_no_claim_made_before() -> None:
+    clock = _Clock()
+    ctl = _controller(clock)
+    ctl.on_queue("ADDED", _taskqueue(1, 1, maxRunning=3))
+    for i in range(3):
+        ctl.on_lease("ADDED", record.read(_held(f"t{i}")))
+    clock.t += 1
+    ctl.on_queue("MODIFIED", _taskqueue(2, 1, maxRunning=1))
+    assert _uncovered(ctl, [_slot(0), _slot(1), _slot(2)]) == []
+    clock.t += 1
+    ctl.on_lease("ADDED", record.read(_held("later")))  # slots 1 and 2 are no cover for a new claim
+    assert _uncovered(ctl, [_slot(0), _slot(1), _slot(2)]) == ["later"]
+
+
+def test_a_claim_labelled_with_another_queue_answers_to_its_tasks_queue_once_relabelled() -> None:
+    """The claim that creates a Lease chooses its queue label; once the reconciler has written
+    the Task's queue back, the claim counts in that queue: its pause and its rate."""
+    clock = _Clock()
+    ctl = _controller(clock)
+    ctl.on_queue("ADDED", _taskqueue(1, 1, claimsPerSecond=0.1))
+    for i in range(5):
+        ctl.on_lease("ADDED", record.read(_held(f"t{i}", queue="elsewhere")))
+    assert not ctl._claims.get(("ns", "q"))
+    for i in range(5):
+        ctl.on_lease("MODIFIED", record.read(_held(f"t{i}", version="2")))  # relabelled: holder and epoch kept
+    assert {h.queue for h in ctl._held.values()} == {"q"}
+    undone: list[str] = []
+    ctl._undo = lambda q, key, h, why: undone.append(key[1])  # type: ignore[method-assign]
+    ctl._police_rate(ctl._queues[("ns", "q")], ("ns", "q"), 0.1, clock.t)
+    assert undone == ["t4", "t3"]

@@ -76,6 +76,13 @@ def test_a_next_claim_time_no_claim_could_write_counts_as_now() -> None:
     assert rate.wait_for_token(forged, NOW, 2.0) == (0, NOW + timedelta(seconds=0.5))
 
 
+def test_a_next_claim_time_that_cannot_be_read_counts_as_now() -> None:
+    """Any agent may write the bucket: what is no time with a zone stops no claim."""
+    for written in ("not-a-time", "2030-01-01T00:00:00", "", None, 7):
+        assert rate.arrival(written) is None
+    assert rate.arrival("2030-01-01T00:00:00Z") == datetime(2030, 1, 1, tzinfo=UTC)
+
+
 def test_top_shows_the_controls_and_queues_without_tasks() -> None:
     assert top.describe_controls(None) == "-"
     assert top.describe_controls(TaskQueueSpec()) == "-"

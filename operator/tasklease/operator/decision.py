@@ -146,18 +146,21 @@ def backoff_end(view: TaskView, rec: LeaseRecord, sighting: Sighting, rand: Call
     """The end of a free Lease's backoff by our clock, when the one it says lies outside the
     Task's (jittered) backoff window by more than `SLACK`; None when it is inside. The holder
     that failed wrote not-before with its clock: we measure the Task's backoff from when we
-    saw the attempt end. A Lease found free (we did not see the attempt end) keeps its
-    not-before, but no later than a backoff from when we found it."""
-    last = rec.history[-1] if rec.history else None
-    if last is None or last.attempt != rec.epoch or last.outcome not in _BACKED_OFF or sighting.epoch != rec.epoch:
+    saw the attempt end. Any other free Lease (found free, not seeing the attempt end; or
+    freed without a failure of its attempt, as a release is) keeps its not-before, but no
+    later than a backoff from when we saw it free: whoever wrote it, no writer puts a task
+    off for longer."""
+    if sighting.epoch != rec.epoch:
         return None
+    last = rec.history[-1] if rec.history else None
+    failed = last is not None and last.attempt == rec.epoch and last.outcome in _BACKED_OFF
     backoff, attempt = view.spec.backoff, rec.epoch - rec.budget_from
 
     def end(draw: Callable[[], float]) -> datetime:
         at = sighting.at + timedelta(seconds=backoff.jittered(attempt, draw))
         return max(at, view.spec.not_before) if view.spec.not_before is not None else at
     earliest, latest = end(lambda: 0.0), end(lambda: 1.0)
-    if not sighting.witnessed:
+    if not (failed and sighting.witnessed):
         if rec.not_before is None or rec.not_before <= latest + SLACK:
             return None
     elif rec.not_before is not None and earliest - SLACK <= rec.not_before <= latest + SLACK:

@@ -6,7 +6,8 @@ so the operator checks what they did, each decision by its own observations:
 - a claim it first sees `PAUSE_GRACE_S` or more after it saw the queue paused is taken back
   (`Protocol.undo`: free again, the attempt not counted);
 - with `spec.maxRunning`, a holder holding more task Leases of the queue than slots
-  (`protocol.slots`) for `slots.STALE_S` loses its newest claims the same way;
+  (`protocol.slots`) for `slots.STALE_S` loses its newest claims the same way (a slot
+  numbered `maxRunning` or above counts only for a claim made before that limit was seen);
 - with `spec.claimsPerSecond`, claims it sees beyond the rate over `RATE_WINDOW_S` (plus
   one second's burst and `RATE_SLACK_S` of watch delay) are taken back, newest first;
 - a slot held beyond its holder's task Leases, unwritten for `slots.STALE_S`, is freed
@@ -23,13 +24,14 @@ Only the leader acts (`active`); standbys keep the picture. Intake (`on_*`) is q
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from pydantic import ValidationError
@@ -60,6 +62,7 @@ class _Queue:
     generation: int = 0
     spec: TaskQueueSpec = field(default_factory=TaskQueueSpec)
     paused_at: float | None = None  # monotonic: when we saw it paused
+    limit_since: float = 0.0  # monotonic: when we saw its current maxRunning
     written: TaskQueueStatus | None = None  # the status as we last wrote or read it
     version: str = ""
     last_write: float = -1e9
@@ -127,6 +130,8 @@ class QueueController:
             elif not spec.paused and q.paused_at is not None:
                 q.paused_at = None
                 q.news.append(("Normal", queues.RESUMED, f"queue {where[1]} resumed"))
+            if not q.uid or spec.max_running != q.spec.max_running:
+                q.limit_since = self.monotonic()
             q.uid, q.name, q.spec = meta.get("uid", ""), meta["name"], spec
             q.generation = int(meta.get("generation") or 0)
             q.version = meta.get("resourceVersion", "")
@@ -146,8 +151,19 @@ class QueueController:
                 self._held.pop(key, None)
             elif before is None or (before.holder, before.epoch) != (rec.holder, rec.epoch):
                 claim = self._held[key] = _Held(rec.queue, rec.holder, rec.epoch, self.monotonic(), self.synced())
-                if (rec.namespace, rec.queue) in self._queues and claim.news:
-                    self._claims.setdefault((rec.namespace, rec.queue), deque()).append((key, claim))
+                self._count_claim(key, claim)
+            elif before.queue != rec.queue:
+                # The claim that created the Lease chose its queue label, and the reconciler has
+                # written its Task's queue back: the claim answers to that queue's controls.
+                moved = self._held[key] = replace(before, queue=rec.queue)
+                with contextlib.suppress(ValueError):
+                    self._claims.get((rec.namespace, before.queue), deque()).remove((key, before))
+                self._count_claim(key, moved)
+
+    def _count_claim(self, key: tuple[str, str], claim: _Held) -> None:
+        """Caller holds the lock. A claim seen as it happened counts against its queue's rate."""
+        if (key[0], claim.queue) in self._queues and claim.news:
+            self._claims.setdefault((key[0], claim.queue), deque()).append((key, claim))
 
     def on_slot(self, kind: str, obj: JSON) -> None:
         slot = slots.decode(obj)
@@ -234,7 +250,7 @@ class QueueController:
         for h in held.values():
             held_by[h.holder] = held_by.get(h.holder, 0) + 1
         current = [s for s, _ in queue_slots]
-        over = slots.uncovered(current, held_by)
+        over = slots.uncovered(self._covering(current, held, q), held_by)
         with self._lock:
             for gone in [k for k in self._uncovered_since if k[:2] == where and k[2] not in over]:
                 del self._uncovered_since[gone]
@@ -242,7 +258,7 @@ class QueueController:
         if due:  # a fresh read of the slots: our watch of them may lag
             fresh = [s for obj in self.kube.list(LEASES, namespace=ns, label_selector=slots.selector(name))["items"]
                      if (s := slots.decode(obj)) is not None]
-            over = slots.uncovered(fresh, held_by)
+            over = slots.uncovered(self._covering(fresh, held, q), held_by)
         for holder in (h for h in due if h in over):
             newest = sorted(((k, h) for k, h in held.items() if h.holder == holder), key=lambda kh: -kh[1].seen)
             for key, h in newest[:over[holder]]:
@@ -263,6 +279,26 @@ class QueueController:
                 spare[slot.holder] -= 1
                 log.info("queue %s/%s: freed slot %s of %s (no task of its holder needs it)", ns, name, slot.name,
                          slot.holder)
+
+    @staticmethod
+    def _covering(queue_slots: list[Slot], held: dict[tuple[str, str], _Held], q: _Queue) -> list[Slot]:
+        """The slots that cover claims: those below maxRunning; one above it (`maxRunning` was
+        lowered, or an agent made it) only a claim made before we saw the current limit, one
+        of its holder's each: lowering the limit stops no running task, and a slot numbered
+        above the limit lets no one claim more."""
+        limit = q.spec.max_running or 0
+        older: dict[str, int] = {}
+        for h in held.values():
+            if not h.news or h.seen < q.limit_since:
+                older[h.holder] = older.get(h.holder, 0) + 1
+        covering = []
+        for slot in sorted(queue_slots, key=lambda s: s.index):
+            if slot.index < limit:
+                covering.append(slot)
+            elif slot.holder and older.get(slot.holder, 0) > 0:
+                older[slot.holder] -= 1
+                covering.append(slot)
+        return covering
 
     def _police_rate(self, q: _Queue, where: Where, per_s: float | None, now: float) -> None:
         with self._lock:

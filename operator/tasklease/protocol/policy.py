@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel
 
 from tasklease.api import models
-from tasklease.protocol import members, record, slots
+from tasklease.protocol import members, rate, record, slots
 
 ELECTION_LEASE: Final = "tasklease-operator"  # operator.leader.ElectionConfig's default name; a test ties them
 AGENT_OUTCOMES: Final = (models.Phase.SUCCEEDED.value, models.Phase.FAILED.value)
@@ -369,6 +369,8 @@ def _slot() -> list[dict[str, str]]:
           f"!({_str(members.LABEL_AGENT_OF)} in variables.labels)",
           "a slot Lease is no task's Lease and no member Lease"),
         s("size(variables.owners) == 0", "a slot Lease has no ownerReferences"),
+        s(f"!({_str(rate.ANN_NEXT)} in variables.ann) || {_ann(rate.ANN_NEXT)}.matches({_raw('^' + _TIME + '$')})",
+          f"{rate.ANN_NEXT} is an RFC 3339 time"),
         s(f"has(object.spec.leaseDurationSeconds) && object.spec.leaseDurationSeconds == {slots.DURATION_S}",
           f"a slot Lease's leaseDurationSeconds is {slots.DURATION_S}"),
     ]

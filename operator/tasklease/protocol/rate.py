@@ -44,13 +44,24 @@ def wait_for_token(tat: datetime | None, now: datetime, rate: float,
     return max(wait, 0.0), start + interval
 
 
+def arrival(value: object) -> datetime | None:
+    """The bucket's arrival time as written; None, which counts as now, for one that is no time
+    with a zone (the admission policy refuses it, but a bucket written before the policy was
+    may hold one): any agent may write the bucket, and no write of it stops a claim."""
+    try:
+        tat = parse_time(value)
+    except (TypeError, ValueError):
+        return None
+    return tat if tat is None or tat.tzinfo is not None else None
+
+
 def take(kube: Kube, *, namespace: str, queue: str, rate: float) -> float:
     """Take a token for one claim: 0 when taken, else the seconds to wait before asking again."""
     name = lease_name(queue)
     for _ in range(3):  # a conflict means another agent took one: look again
         obj = kube.get_or_none(LEASES, name, namespace=namespace, timeout=5)
         ann = ((obj or {}).get("metadata") or {}).get("annotations") or {}
-        wait, tat = wait_for_token(parse_time(ann.get(ANN_NEXT)), kube.now(), rate, kube.server_clock.latest())
+        wait, tat = wait_for_token(arrival(ann.get(ANN_NEXT)), kube.now(), rate, kube.server_clock.latest())
         if wait > 0:
             return wait
         try:
