@@ -34,6 +34,7 @@ def cli(cluster: Cluster, namespace: str, chart_roles: dict[str, str], tmp_path:
         return subprocess.run(tasklease_cmd(*args), capture_output=True, text=True, input=input, timeout=120,
                               env={**os.environ, "KUBECONFIG": str(chosen), "POD_NAME": CLI_POD, **(env or {})})
     run.kubeconfig = config  # type: ignore[attr-defined]
+    run.agent_kubeconfig = agent_config  # type: ignore[attr-defined]
     return run
 
 
@@ -286,3 +287,37 @@ def test_a_result_over_the_limit_is_refused_and_the_task_stays_held(cli, kube: K
     assert "the limit is 8192" in _clean_error(refused)
     assert record.decode(kube.get(LEASES, "big")).state == record.HELD  # nothing lost: complete with a reference
     assert cli("complete", *who, "--result", '{"url": "s3://results/big.json"}').returncode == 0
+
+
+def test_a_command_that_cannot_start_loses_no_task(cli, kube: Kube, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A script whose interpreter is missing is found only when it is started: its task is
+    given back (not failed), and `run --loop` stops rather than take the next one."""
+    for name in ("typo-1", "typo-2"):
+        assert cli("submit", "--queue", "typo", "--name", name).returncode == 0
+    script = tmp_path / "send-email.sh"
+    script.write_text("#!/no/such/interpreter\n")
+    script.chmod(0o755)
+    ran = cli("run", "--queue", "typo", "--loop", "--wait", "2", "--", str(script))
+    # `run` logs what it does; its error is the last line.
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr
+    assert "cannot start" in ran.stderr.strip().splitlines()[-1] and "released" in ran.stderr
+    assert "running" in ran.stderr and ran.stderr.count("claimed ") == 1  # one task taken, then it stopped
+    leases = [record.decode(lease) for name in ("typo-1", "typo-2") if (lease := kube.get_or_none(LEASES, name))]
+    assert len(leases) == 1 and leases[0].state == record.FREE
+    assert leases[0].history[-1].outcome == "Released"
+
+
+def test_a_claim_it_cannot_print_is_given_back(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]
+    """Nobody would learn what was claimed: the task is released and the exit code says so."""
+    assert cli("submit", "--queue", "unread", "--name", "unread-1").returncode == 0
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the claim prints
+    try:
+        done = subprocess.run(tasklease_cmd("claim", "--queue", "unread"), stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env={**os.environ, "KUBECONFIG": str(cli.agent_kubeconfig),
+                                                           "POD_NAME": CLI_POD})
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and "could not print" in _clean_error(done)
+    rec = record.decode(kube.get(LEASES, "unread-1"))
+    assert rec.state == record.FREE and rec.history[-1].outcome == "Released"

@@ -10,9 +10,12 @@ result; any other exit fails the attempt (retried with backoff until maxAttempts
 still running after the timeout (--timeout, else the Task's attemptTimeoutSeconds) is
 stopped the same way, and its attempt fails with reason AttemptTimedOut.
 
-With --loop one bad task (a command that cannot start, a lost lease) does not stop the
-loop, and an unreachable API server is retried with capped backoff, at start too; only
-permanent errors (no rights, no CRD) end it. With --concurrency N, N loops run side by side.
+With --loop one bad task (a lost lease, a refused write) does not stop the loop, and an
+unreachable API server is retried with capped backoff, at start too; only permanent errors
+(no rights, no CRD) end it. A command that cannot be started is no task's fault: it is
+looked for before the first claim, and if it cannot be started all the same, its task is
+released (not failed) and `run` ends (exit 2), since it would start for no other task
+either. With --concurrency N, N loops run side by side.
 
 SIGTERM or SIGINT stops it: no more claims, and the commands running get SIGTERM (SIGKILL
 after the grace period) and their tasks are released. With --drain the commands running are
@@ -27,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +71,8 @@ class Runner:
     def run(self, *, loop: bool, wait_s: float | None) -> int:
         """One task (or, with `loop`, one after another until stopped or idle for `wait_s`;
         `concurrency` loops side by side, the exit code the first one's)."""
+        if not _executable(self.argv[0]):
+            raise errors.BadArguments(f"cannot start {self.argv[0]}: no such executable file (nothing claimed)")
         self._install_signal_handlers()
         if self.concurrency == 1 or not loop:
             return self._run(loop=loop, wait_s=wait_s)
@@ -196,8 +202,10 @@ class Runner:
             child = subprocess.Popen(self.argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         except OSError as exc:
-            task.fail(f"cannot start {self.argv[0]}: {exc}", retryable=False)
-            raise errors.Invalid(f"cannot start {self.argv[0]}: {exc.strerror}") from None
+            task.release(f"cannot start {self.argv[0]}: {exc.strerror or exc}")
+            self.stopping.set()  # the other loops too: the command starts for no task
+            raise errors.BadArguments(f"cannot start {self.argv[0]}: {exc.strerror or exc} "
+                                      f"({task.namespace}/{task.name} released)") from None
         spawned.append(child)
         with self._child_lock:
             self._children.add(child)
@@ -306,6 +314,13 @@ class _Tail:
 
     def text(self) -> str:
         return self.buffer.decode(errors="replace")[-self.limit:].rstrip("\n")
+
+
+def _executable(command: str) -> bool:
+    """`command` names a file we may execute: a path, or a name on $PATH."""
+    if os.sep in command:
+        return os.path.isfile(command) and os.access(command, os.X_OK)
+    return shutil.which(command) is not None
 
 
 def _feed(child: subprocess.Popen[bytes], data: bytes) -> None:

@@ -17,6 +17,14 @@ class TaskleaseError(Exception):
     meaning: ClassVar[str] = "unexpected error"
 
 
+class BadArguments(TaskleaseError):
+    """What was asked cannot be done as given (a command `run` cannot start, a live view
+    without a terminal): found before anything was changed, or with what was taken given back."""
+
+    exit_code = 2
+    meaning = "bad flags"
+
+
 class NothingToClaim(TaskleaseError):
     exit_code = 3
     meaning = "nothing claimable"
@@ -93,9 +101,11 @@ class ServerError(TaskleaseError):
 
 RUN_COMMAND_FAILED: Final = 11
 RUN_STOPPED: Final = 143  # 128 + SIGTERM, as a shell reports a process ended by it
+INTERRUPTED: Final = 130  # 128 + SIGINT
 _NOT_ERRORS: Final = {
     0: "ok",
     2: "bad flags",
+    INTERRUPTED: "interrupted (Ctrl-C)",
     RUN_COMMAND_FAILED: "`run`: the command failed (the failure is recorded)",
     RUN_STOPPED: "`run`: stopped by SIGTERM/SIGINT (the task was released)",
 }

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
+from tasklease.api import errors
 from tasklease.kube import Kube
 
 
@@ -14,3 +17,15 @@ def kube_of(args: argparse.Namespace) -> Kube:
 
 def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def read_text(path: str) -> str:
+    """A file's text, or stdin's for "-"; what cannot be read is bad input (exit 9), said in one line."""
+    try:
+        if path != "-":
+            return Path(path).read_text()
+        if sys.stdin is None:
+            raise errors.Invalid("cannot read - (stdin): it is closed")
+        return sys.stdin.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise errors.Invalid(f"cannot read {path}: {first_line(str(exc))}") from None

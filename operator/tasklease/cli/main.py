@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,27 @@ examples:
 """
 _SEE_CODES = "exit codes: see `tasklease --help`."
 
+def _seconds(text: str) -> float:
+    """A duration flag: a finite number of seconds, not negative."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds (finite, 0 or more): {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number (0 to 65535): {text!r}")
+    return value
+
+
 # The model's defaults, quoted in --help (never restated).
 _SPEC = models.TaskSpec(queue="q")
 
@@ -54,9 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tasklease: {first_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return errors.INTERRUPTED
     except (OSError, ValueError) as exc:  # a file, a port, a value: still one line, all of it
         print(f"tasklease: {type(exc).__name__}: {'; '.join(str(exc).split(chr(10)))}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a bug, or input nobody foresaw: one line still; -v shows where
+        logging.getLogger("tasklease").debug("the traceback", exc_info=exc)
+        print(f"tasklease: unexpected error: {type(exc).__name__}: {first_line(str(exc))}"
+              f"{'' if args.verbose else ' (-v shows where)'}", file=sys.stderr)
         return 1
 
 
@@ -142,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("claim", "claim one task of a queue and print it (exit 3 when nothing is claimable)", cmd_claim,
                 'eval "$(tasklease claim --queue emails --format env)"')
     p.add_argument("--queue", required=True)
-    p.add_argument("--wait", type=float, default=0, help="seconds to wait for a task (default: do not wait)")
+    p.add_argument("--wait", type=_seconds, default=0, help="seconds to wait for a task (default: do not wait)")
     p.add_argument("--format", choices=["json", "env"], default="json",
                    help="json, or shell `export` lines for eval "
                         "(TASKLEASE_TASK, _NAMESPACE, _EPOCH, _HOLDER, _PAYLOAD)")
@@ -205,17 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
                 "tasklease run --queue emails --loop -- ./send-email.sh")
     p.add_argument("--queue", required=True)
     p.add_argument("--loop", action="store_true", help="keep taking tasks until stopped")
-    p.add_argument("--wait", type=float, help="seconds to wait for a task (default: once: none; --loop: forever)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
+    p.add_argument("--wait", type=_seconds, help="seconds to wait for a task (default: once: none; --loop: forever)")
+    p.add_argument("--grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
     p.add_argument("--concurrency", type=int, default=1, metavar="N",
                    help="with --loop: run up to N commands at a time (default 1)")
     p.add_argument("--drain", action="store_true",
                    help="on SIGTERM, claim no more and let running commands finish within --grace; exit 0")
-    p.add_argument("--timeout", type=float, metavar="SECONDS",
+    p.add_argument("--timeout", type=_seconds, metavar="SECONDS",
                    help="stop the command (SIGTERM, SIGKILL after --grace) once it has run this long and fail "
                         "the attempt with reason AttemptTimedOut (default: the Task's attemptTimeoutSeconds; "
                         "none if it has none)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
+    p.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="serve this agent's Prometheus metrics (claims, completions, failures, lost leases, "
                         "run time) on /metrics at PORT (needs prometheus-client: pip install 'tasklease[metrics]')")
     p.add_argument("--metrics-host", default="0.0.0.0", help="the address --metrics-port listens on (default 0.0.0.0)")

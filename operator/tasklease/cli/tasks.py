@@ -6,7 +6,6 @@ import argparse
 import json
 import queue
 import sys
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -15,7 +14,7 @@ from tasklease.agent.producer import same_spec
 from tasklease.agent.ranked import labelled
 from tasklease.api import errors, models
 from tasklease.cli import output
-from tasklease.cli.common import first_line, kube_of
+from tasklease.cli.common import first_line, kube_of, read_text
 from tasklease.kube import EVENTS, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import Protocol, TaskView
@@ -26,12 +25,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     same spec is the same task submitted again (names are idempotency keys), exit 0; one that
     exists with another spec, or is refused, is named and makes the exit code non-zero."""
     kube = kube_of(args)
-    bodies = _task_files(args.filename) if args.filename else [_task_from_flags(args)]
+    bodies = _task_files(args.filename) if args.filename else [("--queue and the flags", _task_from_flags(args))]
     worst = 0
-    for body in bodies:
-        namespace = body.get("metadata", {}).get("namespace") or kube.namespace
-        name = body.get("metadata", {}).get("name") or ""
+    for where, body in bodies:
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        name = str(meta.get("name") or "") if isinstance(meta, dict) else ""
         try:
+            _check(body, where)
+            namespace = (meta or {}).get("namespace") or kube.namespace
             created = kube.create(TASKS, labelled(body), namespace=namespace)
             print(f"task/{created['metadata']['name']} created")
         except errors.Conflict:
@@ -57,7 +58,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     text = output.render(items, args.output, single=False, all_namespaces=args.all_namespaces)
     if text or args.output in ("json", "yaml"):
         print(text, flush=True)
-    elif not args.watch:
+    elif not args.watch and not items:
         print("No tasks found." if not args.all_namespaces else "No tasks found in any namespace.", file=sys.stderr)
     if args.watch:
         _follow(kube, args, listed["metadata"]["resourceVersion"])
@@ -193,12 +194,13 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         raise errors.Invalid("submit needs --queue (or -f FILE)")
     payload: Any = {}
     try:
-        if args.payload_file:
-            payload = json.loads(Path(args.payload_file).read_text())
-        elif args.payload:
-            payload = json.loads(args.payload)
-    except (OSError, ValueError) as exc:
+        text = read_text(args.payload_file) if args.payload_file else args.payload
+        if text:
+            payload = json.loads(text)
+    except ValueError as exc:
         raise errors.Invalid(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise errors.Invalid(f"the payload nests deeper than {models.MAX_PAYLOAD_DEPTH} levels") from None
     spec: dict[str, Any] = {"queue": args.queue, "payload": payload}
     for flag, field in (("priority", "priority"), ("max_attempts", "maxAttempts"),
                         ("lease_duration", "leaseDurationSeconds"), ("deadline", "deadline"),
@@ -214,12 +216,26 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND, "metadata": meta, "spec": spec}
 
 
-def _task_files(paths: list[str]) -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
+def _task_files(paths: list[str]) -> list[tuple[str, Any]]:
+    """(where each document is, the document) of every file, as read: `_check` judges them."""
+    docs: list[tuple[str, Any]] = []
     for path in paths:
+        text = read_text(path)
         try:
-            text = sys.stdin.read() if path == "-" else Path(path).read_text()
-            docs += [d for d in yaml.safe_load_all(text) if d]
-        except (OSError, yaml.YAMLError) as exc:
+            docs += [(f"document {i} of {path}", d) for i, d in enumerate(yaml.safe_load_all(text), 1) if d]
+        except yaml.YAMLError as exc:
             raise errors.Invalid(f"cannot read {path}: {first_line(str(exc))}") from None
+        except RecursionError:
+            raise errors.Invalid(f"cannot read {path}: it nests deeper than a Task can") from None
     return docs
+
+
+def _check(body: Any, where: str) -> None:
+    """A Task as submitted: an object whose metadata and spec are objects, its payload no
+    deeper than every reader reads (a deeper one is refused before it exists, not found
+    unclaimable later)."""
+    if not isinstance(body, dict) or not all(isinstance(body.get(k) or {}, dict) for k in ("metadata", "spec")):
+        raise errors.Invalid(f"{where} is not a Task object")
+    depth = models.payload_depth((body.get("spec") or {}).get("payload"))
+    if depth > models.MAX_PAYLOAD_DEPTH:
+        raise errors.Invalid(f"{where}: the payload nests {depth} levels deep, more than {models.MAX_PAYLOAD_DEPTH}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import curses
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -224,6 +225,8 @@ class Top:
 
 
 def run(kube: Kube, *, namespace: str | None, once: bool) -> int:
+    if not once and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise errors.BadArguments("the live view needs a terminal: use `tasklease top --once` in scripts and pipes")
     top = Top(kube, namespace=namespace)
     top.start()
     title = f"tasklease top - {namespace or 'all namespaces'}"
@@ -235,7 +238,10 @@ def run(kube: Kube, *, namespace: str | None, once: bool) -> int:
         # test runners set them) would cut the view and ignore resizes.
         for name in ("COLUMNS", "LINES"):
             os.environ.pop(name, None)
-        curses.wrapper(lambda screen: _draw_loop(screen, top, title))
+        try:
+            curses.wrapper(lambda screen: _draw_loop(screen, top, title))
+        except curses.error as exc:  # $TERM unset, or a terminal ncurses does not know
+            raise errors.BadArguments(f"cannot draw on this terminal ({exc}): use `tasklease top --once`") from None
         return 0
     finally:
         top.stop()

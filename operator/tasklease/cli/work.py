@@ -8,13 +8,12 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from tasklease.agent.identity import own_pod_uid
 from tasklease.agent.metrics import AgentMetrics
 from tasklease.agent.sdk import Agent, Identity
 from tasklease.api import errors
-from tasklease.cli.common import kube_of
+from tasklease.cli.common import kube_of, read_text
 from tasklease.kube import NAMESPACES, Kube
 from tasklease.protocol import Held, Protocol
 
@@ -25,6 +24,8 @@ def cmd_claim(args: argparse.Namespace) -> int:
     if args.pod_bound and not pod_uid:
         raise errors.Invalid("--pod-bound needs this Pod's uid: set POD_UID from the downward API "
                              "(fieldRef metadata.uid), or mount the Pod's ServiceAccount token")
+    if sys.stdout is None:
+        raise errors.BadArguments("claim prints the task it claims, and stdout is closed: nothing claimed")
     agent = Agent(kube, identity=Identity.from_environment(handed_over=True))
     with _no_such_namespace_is_not_found(kube):
         task = (agent.claim(args.queue, timeout=args.wait, interrupt=False) if args.wait
@@ -43,13 +44,21 @@ def cmd_claim(args: argparse.Namespace) -> int:
             raise
     out = {"name": task.name, "namespace": task.namespace, "epoch": task.epoch, "holder": task.holder,
            "leaseDurationSeconds": task.held.duration_s, "payload": task.payload}
-    if args.format == "env":
-        for key, value in (("TASK", task.name), ("NAMESPACE", task.namespace), ("EPOCH", task.epoch),
-                           ("HOLDER", task.holder), ("PAYLOAD", json.dumps(task.payload))):
-            print(f"export TASKLEASE_{key}={_shell_quote(str(value))}")
-    else:
-        print(json.dumps(out))
-    agent.close()
+    try:
+        if args.format == "env":
+            for key, value in (("TASK", task.name), ("NAMESPACE", task.namespace), ("EPOCH", task.epoch),
+                               ("HOLDER", task.holder), ("PAYLOAD", json.dumps(task.payload))):
+                print(f"export TASKLEASE_{key}={_shell_quote(str(value))}")
+        else:
+            print(json.dumps(out))
+        sys.stdout.flush()
+    except OSError as exc:  # a closed pipe: nobody learns what was claimed, so nobody would work it
+        with contextlib.suppress(errors.TaskleaseError):
+            Protocol(kube).release(task.held, "its claimer could not print it")
+        raise errors.TaskleaseError(f"claimed {task.name} but could not print it ({exc.strerror or exc}); "
+                                    "released it") from None
+    finally:
+        agent.close()
     return 0
 
 
@@ -62,7 +71,7 @@ def cmd_renew(args: argparse.Namespace) -> int:
 def cmd_complete(args: argparse.Namespace) -> int:
     result = args.result
     if args.result_file:
-        result = sys.stdin.read() if args.result_file == "-" else Path(args.result_file).read_text()
+        result = read_text(args.result_file)
     return _end(args, "Succeeded", lambda p, h: p.complete(h, result), result=result)
 
 

@@ -47,10 +47,18 @@ class Resource:
             base += f"/namespaces/{quote(namespace)}"
         base += f"/{self.plural}"
         if name is not None:
-            base += f"/{quote(name)}"
+            base += f"/{_segment(name)}"
         if sub is not None:
             base += f"/{sub}"
         return base
+
+
+def _segment(name: str) -> str:
+    """An object's name as one path segment. No Kubernetes name is empty, "." or "..", or holds
+    a "/" or a "%": such a name would address another path (the whole list, a subresource)."""
+    if name in ("", ".", "..") or "/" in name or "%" in name:
+        raise errors.Invalid(f"not a Kubernetes object name: {name!r}")
+    return quote(name, safe="")
 
 
 TASKS = Resource(resource.GROUP, resource.VERSION, resource.PLURAL)
@@ -258,7 +266,7 @@ def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:
         return errors.Refused(message)
     if status in (401, 403):
         return errors.Forbidden(message)
-    if status in (400, 422):
+    if status in (400, 413, 422):  # 413: larger than the API server takes
         return errors.Invalid(message)
     if status == 410:
         return errors.Gone(message, resume=_status(body).get("metadata", {}).get("continue", ""))

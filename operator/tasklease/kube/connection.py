@@ -83,7 +83,7 @@ def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int)
     if len(paths) != 1:  # merged files: the `kubernetes` package's rules
         return _elsewhere(source, context_name, pool_size)
     file = Path(paths[0]).expanduser()
-    doc = yaml.safe_load(file.read_text()) or {}
+    doc = _load(file)
     name = context_name or doc.get("current-context")
     if not name:
         raise ValueError(f"{file}: no context given and no current-context")
@@ -129,13 +129,25 @@ def _docs(paths: list[str]) -> Iterator[dict[str, Any]]:
     for path in paths:
         file = Path(path).expanduser()
         if file.is_file():
-            yield yaml.safe_load(file.read_text()) or {}
+            yield _load(file)
+
+
+def _load(file: Path) -> dict[str, Any]:
+    """A kubeconfig file's content, which must be a mapping whose sections are lists of mappings."""
+    doc = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(doc, dict) or not all(
+            isinstance(doc.get(section) or [], list) and all(isinstance(e, dict) for e in doc.get(section) or [])
+            for section in ("clusters", "contexts", "users")):
+        raise ValueError(f"{file}: not a kubeconfig (a YAML mapping with lists of clusters, contexts and users)")
+    return doc
 
 
 def _named(doc: dict[str, Any], section: str, name: str, key: str) -> dict[str, Any]:
     for entry in doc.get(section) or []:
         if entry.get("name") == name:
-            found: dict[str, Any] = entry.get(key) or {}
+            found = entry.get(key) or {}
+            if not isinstance(found, dict):
+                raise ValueError(f"the kubeconfig's {key} named {name!r} is not a mapping")
             return found
     raise ValueError(f"the kubeconfig has no {key} named {name!r}")
 

@@ -1,0 +1,107 @@
+"""Bad input to `tasklease`, refused before any request: one line on stderr and a documented
+exit code, never a traceback (no control plane: the kubeconfig names a port nobody serves)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tasklease.api import errors, models
+
+pytestmark = pytest.mark.unit
+
+cli_main = importlib.import_module("tasklease.cli.main")  # the module: the package exports its `main`
+
+
+@pytest.fixture
+def tasklease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
+    """`tasklease ARGS` in this process: (exit code, the one line on stderr)."""
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(config))
+
+    def run(*args: str) -> tuple[int, str]:
+        code = cli_main.main(list(args))
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        return code, err.strip()
+    return run
+
+
+def test_a_kubeconfig_that_is_no_mapping(tasklease: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for text in ("hello\n", "- a\n- b\n", "current-context: x\ncontexts: [x]\n"):
+        (tmp_path / "bad").write_text(text)
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "bad"))
+        code, err = tasklease("list")
+        assert code == errors.Unreachable.exit_code and "not a kubeconfig" in err
+
+
+@pytest.mark.parametrize("args", [("get", ""), ("describe", ".."), ("cancel", "t-1/status"), ("requeue", "a%2Fb")])
+def test_a_name_that_no_object_can_have(tasklease: Any, args: tuple[str, ...]) -> None:
+    code, err = tasklease(*args)
+    assert code == errors.Invalid.exit_code and "not a Kubernetes object name" in err
+
+
+def test_submitted_documents_that_are_no_task(tasklease: Any, tmp_path: Path) -> None:
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    code, err = tasklease("submit", "-f", str(tmp_path / "list.yaml"))
+    assert code == errors.Invalid.exit_code and "document 1 of" in err and "is not a Task object" in err
+    (tmp_path / "meta.yaml").write_text("kind: Task\nmetadata: hello\nspec: {queue: q}\n")
+    code, err = tasklease("submit", "-f", str(tmp_path / "meta.yaml"))
+    assert code == errors.Invalid.exit_code and "is not a Task object" in err
+
+
+def test_a_payload_deeper_than_every_reader_reads(tasklease: Any, tmp_path: Path) -> None:
+    """Refused before it exists, rather than found unclaimable later; one too deep for json too."""
+    for depth in (models.MAX_PAYLOAD_DEPTH + 1, 5000):
+        deep = "[" * depth + "]" * depth
+        code, err = tasklease("submit", "--queue", "q", "--payload", deep)
+        assert code == errors.Invalid.exit_code and "nests" in err
+        (tmp_path / "deep.json").write_text(deep)
+        code, err = tasklease("submit", "--queue", "q", "--payload-file", str(tmp_path / "deep.json"))
+        assert code == errors.Invalid.exit_code and "nests" in err
+    code, err = tasklease("submit", "--queue", "q", "--payload-file", str(tmp_path / "missing.json"))
+    assert code == errors.Invalid.exit_code and "cannot read" in err
+
+
+def test_stdin_that_is_closed(tasklease: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stdin", None)
+    code, err = tasklease("submit", "-f", "-")
+    assert code == errors.Invalid.exit_code and "stdin" in err and "closed" in err
+
+
+def test_top_without_a_terminal_points_to_once(tasklease: Any) -> None:
+    code, err = tasklease("top")
+    assert code == errors.BadArguments.exit_code and "--once" in err
+
+
+@pytest.mark.parametrize("args", [("claim", "--queue", "q", "--wait", "nan"), ("run", "--queue", "q", "--wait", "-1"),
+                                  ("run", "--queue", "q", "--grace", "inf", "--", "true"),
+                                  ("run", "--queue", "q", "--metrics-port", "99999", "--", "true")])
+def test_flags_out_of_range_are_bad_flags(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli_main.main(list(args))
+    assert exited.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def test_a_command_run_cannot_start_claims_nothing(tasklease: Any, tmp_path: Path) -> None:
+    """Looked for before the first claim (the kubeconfig's server is never asked)."""
+    code, err = tasklease("run", "--queue", "q", "--loop", "--", str(tmp_path / "send-emial.sh"))
+    assert code == errors.BadArguments.exit_code and "cannot start" in err and "nothing claimed" in err
+
+
+def test_an_error_nobody_foresaw_is_still_one_line(tasklease: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(args: argparse.Namespace) -> int:
+        raise AttributeError("'str' object has no attribute 'get'")
+    monkeypatch.setattr(cli_main, "cmd_list", broken)
+    code, err = tasklease("list")
+    assert code == 1 and err.startswith("tasklease: unexpected error: AttributeError") and "-v" in err
