@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tasklease.agent import AsyncAgent, AsyncClaimedTask, AsyncProducer
-from tasklease.api import models
+from tasklease.api import errors, models
 from tasklease.api.models import TaskSpec
 from tasklease.testing import FakeCluster
 
@@ -60,3 +60,22 @@ def test_a_cancelled_wait_for_a_claim_leaves_no_task_behind() -> None:
     asyncio.run(main())
     with cluster.agent() as other:
         assert other.claim("q", timeout=1).name == "late"  # nobody took it meanwhile
+
+
+def test_a_lease_lost_after_the_blocks_last_await_cancels_nothing_after_the_block() -> None:
+    """The loss lands as the block ends without another await: the block ends in LostLease,
+    and the caller's next await is not cancelled (no exception outside the block)."""
+    cluster = FakeCluster()
+
+    async def main() -> str:
+        cluster.producer().submit("doomed", TaskSpec(queue="q"))
+        async with AsyncAgent(cluster.agent()) as agent:  # type: ignore[arg-type]
+            try:
+                async with agent.claim("q", timeout=5) as task:
+                    cluster.producer().cancel("doomed")
+                    assert task.lost.wait(5)  # lost, and no await left in the block
+            except errors.LostLease:
+                pass
+            await asyncio.sleep(0.05)  # cancelled here before the fix
+            return "after the block"
+    assert asyncio.run(main()) == "after the block"

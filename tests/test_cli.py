@@ -321,3 +321,10 @@ def test_a_claim_it_cannot_print_is_given_back(cli, kube: Kube) -> None:  # type
     assert done.returncode == 1 and "could not print" in _clean_error(done)
     rec = record.decode(kube.get(LEASES, "unread-1"))
     assert rec.state == record.FREE and rec.history[-1].outcome == "Released"
+
+
+def test_resume_in_a_namespace_that_does_not_exist(cluster: Cluster) -> None:
+    """As pause does (its create would get 404): exit 5, not "it is not paused"."""
+    done = subprocess.run(tasklease_cmd("resume", "q", "-n", "no-such-namespace", f"--kubeconfig={cluster.kubeconfig}"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5 and "does not exist" in _clean_error(done)

@@ -193,3 +193,48 @@ def test_work_hands_a_typed_payload_and_fails_for_good_one_that_does_not_fit(bac
     assert fits is not None and fits.result == '{"id":7,"items":["a"]}'
     assert misfit is not None and (misfit.outcome, misfit.reason) == ("Failed", "Failed")
     assert "does not fit Order: id:" in misfit.error
+
+
+def test_what_cannot_be_claimed_or_written_is_refused_at_once_and_loses_no_task(backend: Backend) -> None:
+    """A queue no task can be in, a name that is none, a result that is no JSON, an interrupt
+    off the main thread: Invalid at once, nothing claimed, the task still held where it was."""
+    with pytest.raises(errors.Invalid):
+        backend.producer.submit("", _spec())
+    backend.producer.submit("kept", _spec())
+    with backend.agent("a") as agent:
+        for queue in ("", "Bad_Queue", 123):
+            with pytest.raises(errors.Invalid):
+                agent.claim(queue, timeout=30)
+        refused: list[BaseException] = []
+
+        def off_main() -> None:
+            try:
+                agent.claim("c", timeout=30, interrupt=True)
+            except errors.TaskleaseError as exc:
+                refused.append(exc)
+        thread = threading.Thread(target=off_main)
+        thread.start()
+        thread.join(30)
+        assert refused and isinstance(refused[0], errors.Invalid)
+        rec = backend.lease("kept")
+        assert rec is None or rec.state == record.FREE  # not claimed by the refused call
+        task = agent.claim("c", timeout=30)
+        for result in ({1, 2}, float("nan")):
+            with pytest.raises(errors.Invalid):
+                task.complete(result)
+        assert not task.finished
+        task.complete({"n": 1})
+
+
+def test_closing_an_agent_tells_the_work_it_still_runs(backend: Backend) -> None:
+    """The task is given back for another agent: its work is told, as of a lost lease, and
+    its outcome would be refused."""
+    backend.producer.submit("running", _spec())
+    agent = backend.agent("a")
+    task = agent.claim("c", timeout=30)
+    agent.close()
+    assert task.lost.is_set() and "closed" in task.lost_reason
+    with pytest.raises(errors.LostLease):
+        task.check()
+    rec = backend.lease("running")
+    assert rec is not None and rec.state == record.FREE

@@ -44,6 +44,7 @@ class AsyncClaimedTask:
         self._agent, self._queue, self._timeout = agent, queue, timeout
         self._task: ClaimedTask | None = None
         self._cancelled_by_us = False
+        self._inside = False  # in the `async with` block: only there may a lost lease cancel
 
     @property
     def claimed(self) -> ClaimedTask:
@@ -91,11 +92,16 @@ class AsyncClaimedTask:
             claiming.add_done_callback(_give_back)
             raise
         loop, current = asyncio.get_running_loop(), asyncio.current_task()
+        self._inside = True
+
+        def cancel_inside() -> None:
+            """On the loop, as `__aexit__` runs: a loss after the block has ended cancels nothing."""
+            if self._inside and current is not None and not current.done():
+                self._cancelled_by_us = True
+                current.cancel()
 
         def lost(_: ClaimedTask) -> None:
-            if current is not None:
-                self._cancelled_by_us = True
-                loop.call_soon_threadsafe(current.cancel)
+            loop.call_soon_threadsafe(cancel_inside)
         self._task.on_lost.append(lost)
         if self._task.lost.is_set():  # lost before the callback was in place
             lost(self._task)
@@ -104,8 +110,14 @@ class AsyncClaimedTask:
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         task = self.claimed
-        if self._cancelled_by_us and isinstance(exc, asyncio.CancelledError):
+        self._inside = False
+        if self._cancelled_by_us:
             current = asyncio.current_task()
+            if not isinstance(exc, asyncio.CancelledError):
+                # Cancelled after the block's last await: the cancellation is taken here, not
+                # by the caller's next await after the block.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0)
             if current is not None:
                 current.uncancel()
             raise errors.LostLease(task.lost_reason) from None

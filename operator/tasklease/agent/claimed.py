@@ -168,7 +168,10 @@ class ClaimedTask:
         elif isinstance(result, pydantic.BaseModel):
             text = result.model_dump_json()
         else:
-            text = json.dumps(result, separators=(",", ":"))
+            try:
+                text = json.dumps(result, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as exc:  # a set, an object, NaN: refused, the task still held
+                raise errors.Invalid(f"the result of task {self.namespace}/{self.name} is not JSON: {exc}") from None
         self._finish(lambda h: self.protocol.complete(h, text))
         self._observe("completed")
 
@@ -180,7 +183,7 @@ class ClaimedTask:
         self._finish(lambda h: self.protocol.release(h, message))
         self._observe("released")
 
-    def _give_back(self, reason: str) -> None:
+    def give_back(self, reason: str) -> None:
         """Release the task for another agent while its work may still run (a drain's grace ran
         out); the work is told as of a lost lease."""
         try:
@@ -334,6 +337,13 @@ class ClaimedTask:
         return self.lost.is_set() and self._inside
 
 
+def interrupt_allowed() -> None:
+    """Invalid unless on the main thread, the only one `claim(interrupt=True)` can interrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        raise errors.Invalid("claim(interrupt=True) works on the main thread only: elsewhere watch "
+                             "task.lost or call task.check() between steps")
+
+
 class _MainThreadInterrupt:
     """`claim(interrupt=True)`: LostLease raised into the work, on the main thread only.
 
@@ -349,9 +359,7 @@ class _MainThreadInterrupt:
         self._previous: Any = None
 
     def enter(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise errors.Invalid("claim(interrupt=True) works on the main thread only: elsewhere watch "
-                                 "task.lost or call task.check() between steps")
+        interrupt_allowed()
         self._previous = signal.signal(signal.SIGUSR1, self._handle)
 
     def leave(self) -> None:

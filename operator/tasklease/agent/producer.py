@@ -55,8 +55,11 @@ class Task(BaseModel):
 
 def body(name: str | None, spec: models.TaskSpec, *, labels: Mapping[str, str] | None = None,
          generate_name: str | None = None) -> JSON:
-    """The Task object to create: only the fields set on `spec` are sent (the API server fills defaults)."""
-    meta: JSON = {"name": name} if name else {"generateName": generate_name or f"{spec.queue}-"}
+    """The Task object to create: only the fields set on `spec` are sent (the API server fills
+    defaults). `name` None: a generated one; "" is no name, and no idempotency key either."""
+    if name == "":
+        raise errors.Invalid("a task's name cannot be empty: pass None for a generated name")
+    meta: JSON = {"name": name} if name is not None else {"generateName": generate_name or f"{spec.queue}-"}
     if labels:
         meta["labels"] = dict(labels)
     return {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND, "metadata": meta,

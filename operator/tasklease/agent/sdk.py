@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from tasklease.agent.beside import Beside
 from tasklease.agent.cancel import Followers
-from tasklease.agent.claimed import ClaimedTask, Observer, Renewals
+from tasklease.agent.claimed import ClaimedTask, Observer, Renewals, interrupt_allowed
 from tasklease.agent.discovery import Candidate, QueueView, unheld_selector
 from tasklease.agent.division import Division, Owner, weight
 from tasklease.agent.gate import Gates, OneShotAdmission, queue_controls
@@ -40,7 +40,7 @@ from tasklease.agent.membership import Membership, Writes
 from tasklease.agent.ranked import best_first
 from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
-from tasklease.api import errors
+from tasklease.api import errors, models
 from tasklease.kube import JSON, LEASES, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record
 from tasklease.protocol.members import MemberLease
@@ -161,6 +161,9 @@ class Agent:
         task's `with` block (`claimed._MainThreadInterrupt` says how, and its limits)."""
         settings = self.settings
         self._check_open()
+        models.check_queue(queue)
+        if interrupt:
+            interrupt_allowed()  # before a claim is won: a claim refused after it would be held by no one
         # The queue's Tasks are listed after the first look (`_early`): at a deep queue, agents
         # started together would otherwise all list at once before any claims.
         view = self._view(queue, tasks=False)
@@ -236,6 +239,10 @@ class Agent:
 
         A task due within what this process cannot yet tell of the server's clock (a new
         process has read few whole-second `Date`s) may be due already: one more look then."""
+        self._check_open()
+        models.check_queue(queue)
+        if interrupt:
+            interrupt_allowed()
         # The queue's controls, read while its tasks are.
         controls = self._beside.submit(queue_controls, self.kube, namespace=self.namespace, queue=queue)
         admit = OneShotAdmission(self.kube, controls, namespace=self.namespace, queue=queue,
@@ -319,10 +326,8 @@ class Agent:
             view.wake()
         for claim in list(self._claims):
             if not claim.finished:
-                try:
-                    claim.release(f"its agent {self.identity.holder} closed")
-                except errors.TaskleaseError as exc:  # lost meanwhile, or unreachable: it expires
-                    log.warning("could not release %s/%s on closing: %s", claim.namespace, claim.name, exc)
+                # Its work may still run: it is told, as of a lost lease, and its outcome refused.
+                claim.give_back(f"its agent {self.identity.holder} closed")
         with self._views_lock:
             memberships = list(self._members.values())
             self._members.clear()
@@ -348,7 +353,7 @@ class Agent:
 
     def watch(self, queue: str) -> QueueView:
         """Start watching `queue` now (claim does it on first use); idempotent."""
-        view = self._view(queue, tasks=True)
+        view = self._view(models.check_queue(queue), tasks=True)
         view.start_tasks()
         return view
 

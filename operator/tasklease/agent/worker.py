@@ -78,7 +78,7 @@ class Worker:
         with self._lock:
             running = list(self._running)
         for task in running:
-            task._give_back(f"its worker drained and the {self.grace_s:g}s grace ran out")
+            task.give_back(f"its worker drained and the {self.grace_s:g}s grace ran out")
 
     def _loop(self) -> None:
         while not self.stop.is_set():

@@ -7,6 +7,7 @@ classes by `tasklease.api.crd`; a test fails when the checked-in file is stale. 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Final
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 # Re-exported, so that models.GROUP and the like read naturally; their home is `resource`.
+from tasklease.api import errors
 from tasklease.api.resource import GROUP as GROUP
 from tasklease.api.resource import KIND as KIND
 from tasklease.api.resource import PLURAL as PLURAL
@@ -125,6 +127,15 @@ class TaskSpec(_Model):
         description="Seconds after the task finished (Succeeded, Failed or Cancelled) when the operator "
                     "deletes it and its Lease. Dead-lettered tasks are kept until retried or deleted. "
                     "Default: the operator's --ttl-seconds-after-finished (none: kept).")
+
+
+def check_queue(queue: object) -> str:
+    """`queue` if it can name a queue (what `TaskSpec.queue` accepts); else Invalid: a queue no
+    task can be in would be waited on for ever."""
+    if not isinstance(queue, str) or not 0 < len(queue) <= 63 or not re.match(DNS_LABEL, queue):
+        raise errors.Invalid(f"not a queue name: {queue!r} (a DNS label: lowercase letters, digits and '-', "
+                             "at most 63 characters)")
+    return queue
 
 
 def payload_depth(value: Any) -> int:

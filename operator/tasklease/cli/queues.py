@@ -8,10 +8,11 @@ agents stop claiming, and the operator takes back a claim made while paused (doc
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from tasklease.api import errors, models, queues
 from tasklease.cli.common import kube_of
-from tasklease.kube import TASKQUEUES, Kube
+from tasklease.kube import NAMESPACES, TASKQUEUES, Kube
 
 
 def set_paused(kube: Kube, queue: str, *, paused: bool) -> str:
@@ -19,6 +20,9 @@ def set_paused(kube: Kube, queue: str, *, paused: bool) -> str:
     where = f"queue {queue} (namespace {kube.namespace})"
     if kube.get_or_none(TASKQUEUES, queue) is None:
         if not paused:
+            with contextlib.suppress(errors.Forbidden):  # we may not look: nothing to resume, then
+                if kube.get_or_none(NAMESPACES, kube.namespace) is None:  # as pause's create would say
+                    raise errors.NotFound(f"namespace {kube.namespace!r} does not exist")
             return f"{where} has no TaskQueue: it is not paused"
         try:
             kube.create(TASKQUEUES, {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": queues.QUEUE_KIND,

@@ -31,7 +31,7 @@ from types import TracebackType
 
 from pydantic import BaseModel
 
-from tasklease.agent.claimed import ClaimedTask, Renewals
+from tasklease.agent.claimed import ClaimedTask, Renewals, interrupt_allowed
 from tasklease.agent.identity import Identity
 from tasklease.agent.producer import Task, same_spec
 from tasklease.agent.settings import AgentSettings
@@ -217,6 +217,9 @@ class FakeAgent:
     def claim(self, queue: str, *, timeout: float | None = None, interrupt: bool = False,
               stop: threading.Event | None = None) -> ClaimedTask:
         """As `Agent.claim`; `timeout` is in real seconds (the fake clock moves only when told)."""
+        models.check_queue(queue)
+        if interrupt:
+            interrupt_allowed()
         give_up = None if timeout is None else time.monotonic() + timeout
         cluster = self.cluster
         with cluster._changed:
@@ -255,10 +258,7 @@ class FakeAgent:
         self.cluster._wake()
         for claim in list(self._claims):
             if not claim.finished:
-                try:
-                    claim.release(f"its agent {self.identity.holder} closed")
-                except errors.TaskleaseError:
-                    pass  # lost meanwhile
+                claim.give_back(f"its agent {self.identity.holder} closed")
         self._renewals.close()
 
     def __enter__(self) -> FakeAgent:
@@ -278,7 +278,9 @@ class FakeProducer:
 
     def submit(self, name: str | None, spec: models.TaskSpec, *, labels: Mapping[str, str] | None = None) -> Task:
         cluster = self.cluster
-        name = name or f"task-{uuid.uuid4().hex[:5]}"
+        if name == "":
+            raise errors.Invalid("a task's name cannot be empty: pass None for a generated name")
+        name = name if name is not None else f"task-{uuid.uuid4().hex[:5]}"
         with cluster._changed:
             existing = cluster._entries.get(name)
             if existing is not None:
