@@ -108,3 +108,10 @@ def test_the_next_look_is_the_soonest_of_a_delayed_start_a_ttl_and_a_deadline() 
     later = view(notBefore=(T0 + timedelta(seconds=30)).isoformat(), deadline=(T0 + timedelta(seconds=20)).isoformat())
     assert decision.next_look(later, None, Observed(), NOW, SETTINGS, delete_at=T0 + timedelta(seconds=5)) == 1005.0
     assert decision.next_look(later, None, Observed(), NOW, SETTINGS, delete_at=None) == 1020.0
+
+
+def test_the_end_of_a_backoff_is_looked_at_so_the_status_stops_saying_backing_off() -> None:
+    free = failed(T0 + timedelta(seconds=30))
+    seen = Observed(sighting=Sighting(1, record.FREE, T0, witnessed=True))
+    assert decision.next_look(view(), free, seen, NOW, SETTINGS, delete_at=None) == 1030.0
+    assert decision.next_look(view(), failed(T0 - timedelta(seconds=1)), seen, NOW, SETTINGS, delete_at=None) is None

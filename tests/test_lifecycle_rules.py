@@ -155,6 +155,17 @@ def test_only_a_never_written_waiting_task_goes_without_a_status_write() -> None
     assert after.reason == "Waiting" and not projection.unwritten(scheduled, after)
 
 
+def test_a_task_backs_off_until_its_not_before_and_then_waits() -> None:
+    task = _task(backoff={"initialSeconds": 10, "maxSeconds": 10, "jitter": False})
+    failed = requeued(claimed(task, None, "pod/1", NOW), task.spec, outcome="Failed", message="boom", now=NOW,
+                      backoff=True)
+    body = {"metadata": {"uid": task.uid, "generation": 1}, "spec": {}}
+    during = projection.project(body, failed, old=models.TaskStatus(), now=NOW + timedelta(seconds=9))
+    after = projection.project(body, failed, old=during, now=NOW + timedelta(seconds=10))
+    assert (during.reason, after.reason) == ("BackingOff", "Failed")
+    assert after.phase is models.Phase.PENDING
+
+
 def test_ttl_counts_from_the_end_and_keeps_dead_letters() -> None:
     task = _task(ttlSecondsAfterFinished=60)
     done = ended(claimed(task, None, "pod/1", NOW), outcome="Succeeded", now=NOW,
@@ -169,6 +180,8 @@ def test_ttl_counts_from_the_end_and_keeps_dead_letters() -> None:
     assert cleanup.delete_at(_task(maxAttempts=1, ttlSecondsAfterFinished=0), failed, dead, default_ttl_s=0) is None
     reopened = retried(dead, NOW)
     assert cleanup.delete_at(task, failed, replace(reopened, reason=""), default_ttl_s=0) is None
+    for endless in (10**12, 10**17):  # the schema allows them; they end after the year 9999: never
+        assert cleanup.delete_at(_task(ttlSecondsAfterFinished=endless), finished, done, default_ttl_s=None) is None
 
 
 def test_the_failure_message_keeps_the_end_of_stderr_within_the_limit() -> None:

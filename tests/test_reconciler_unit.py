@@ -117,6 +117,21 @@ def test_an_unreadable_event_queues_nothing() -> None:
     assert drain(r) == []
 
 
+def test_a_task_whose_spec_cannot_be_read_is_skipped_and_said_once_per_version() -> None:
+    """The API server takes a date-time in the year 0000, which no reader can hold."""
+    kube = FakeKube()
+    r = reconciler(kube, Clock(1000.0))
+    r.on_task("ADDED", kube.put(TASKS, task(deadline="0000-01-01T00:00:00Z")))
+    r.reconcile(KEY)
+    r.reconcile(KEY)
+    events = [e for e in kube.events() if e["reason"] == "UnreadableSpec"]
+    assert len(events) == 1 and "deadline" in events[0]["message"]
+    assert not [w for w in kube.writes if w[0] != "create"]  # nothing else written
+    r.on_task("MODIFIED", kube.put(TASKS, task(deadline="0000-01-01T00:00:00Z", priority=1)))
+    r.reconcile(KEY)
+    assert len([e for e in kube.events() if e["reason"] == "UnreadableSpec"]) == 2  # a new version
+
+
 def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))

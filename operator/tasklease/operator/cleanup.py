@@ -30,4 +30,7 @@ def delete_at(task: TaskView, status: TaskStatus, rec: LeaseRecord | None, *,
     # a time the Lease's writer chose.
     if reason in KEPT_REASONS or status.completed_at is None:
         return None
-    return status.completed_at + timedelta(seconds=ttl)
+    try:
+        return status.completed_at + timedelta(seconds=ttl)
+    except OverflowError:  # a TTL the schema allows that ends after the year 9999: never, then
+        return None

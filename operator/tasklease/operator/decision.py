@@ -181,12 +181,14 @@ def _early(view: TaskView, rec: LeaseRecord, sighting: Sighting | None) -> tuple
 
 def next_look(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now, settings: Settings, *,
               delete_at: datetime | None) -> float | None:
-    """When (monotonic) this task needs a look without any event: a delayed start ends (its
-    projection wakes waiting agents), a TTL runs out (`delete_at`), a held lease would expire,
-    an attempt would time out, a deadline passes. None: only an event brings it back."""
+    """When (monotonic) this task needs a look without any event: a delayed start or a backoff
+    ends (its projection says so, and wakes waiting agents), a TTL runs out (`delete_at`), a
+    held lease would expire, an attempt would time out, a deadline passes. None: only an event
+    brings it back."""
     wakes: list[float] = []
     open_ = rec is None or rec.state != record.CLOSED
-    for when in (view.spec.not_before if open_ else None, delete_at):
+    backoff_end = rec.not_before if rec is not None and rec.state == record.FREE else None
+    for when in (view.spec.not_before if open_ else None, delete_at, backoff_end):
         if when is not None and when > now.wall:
             wakes.append(now.mono + (when - now.wall).total_seconds())
     if rec is not None and rec.state == record.HELD:

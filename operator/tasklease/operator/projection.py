@@ -47,7 +47,7 @@ def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, n
     if rec is None or not own:
         status = TaskStatus(phase=Phase.PENDING, reason="Waiting", attempt=old.attempt, history=old.history)
     else:
-        status = _from_lease(rec)
+        status = _from_lease(rec, now)
         # When it finished is when we saw it finish (a TTL counts from it), not the time its
         # writer put on the Lease.
         if status.phase.terminal:
@@ -77,7 +77,7 @@ def _retried_after(rec: LeaseRecord, old: TaskStatus) -> bool:
     return rec.state != record.CLOSED and rec.budget_from > 0 and rec.budget_from >= old.attempt
 
 
-def _from_lease(rec: LeaseRecord) -> TaskStatus:
+def _from_lease(rec: LeaseRecord, now: datetime) -> TaskStatus:
     """Fields longer than the status allows (`record.decode` marks them, the operator reports
     them) are cut to fit with a visible mark: a status that can never be written would stop
     the projection of this task for good."""
@@ -97,7 +97,9 @@ def _from_lease(rec: LeaseRecord) -> TaskStatus:
         status.result = _fit(rec.result, MAX_RESULT_BYTES)
     else:
         status.phase = Phase.PENDING
-        status.reason = "BackingOff" if rec.not_before else (last.outcome if last and last.outcome else "Waiting")
+        # Backing off only until not-before: the operator looks again then (`decision.next_look`).
+        backing_off = rec.not_before is not None and rec.not_before > now
+        status.reason = "BackingOff" if backing_off else (last.outcome if last and last.outcome else "Waiting")
     return status
 
 

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
+from pydantic import ValidationError
+
 from tasklease.api import errors, models, timestamps
 from tasklease.api.retry import Backoff, transient
 from tasklease.operator import cleanup, decision, events, metrics, projection, timeouts
@@ -80,6 +82,7 @@ class Reconciler:
         self.store = Store(monotonic=monotonic, clock=self.clock, late_clock=clock or kube.server_clock.latest)
         self.queue: WorkQueue[Key] = WorkQueue(monotonic, coalesce_s=coalesce_s)
         self._lock = threading.Lock()  # guards the term and the backlog; the store and the queue have their own
+        self._unreadable: dict[Key, str] = {}  # Tasks whose spec cannot be read → the version reported
         metrics.OLDEST_PENDING.source = self.oldest_pending
         metrics.CLAIMABLE.source = self.claimable
 
@@ -264,10 +267,16 @@ class Reconciler:
             if self.protocol.remove_orphan(rec):
                 log.info("lease %s/%s: removed (its task is gone)", rec.namespace, rec.name)
         if entry is None or task is None:
+            with self._lock:
+                self._unreadable.pop(key, None)
+            return
+        try:
+            view = TaskView.of(task)
+        except ValidationError as exc:
+            self._report_unreadable(key, task, exc)
             return
         if rec is None and _claimed_before(task):
-            rec = self._find_unlabelled(task)
-        view = TaskView.of(task)
+            rec = self._find_unlabelled(task, view)
         if rec is not None and rec.malformed:
             self._report_malformed(task, rec)
         if rec is not None and rec.owner_uid == view.uid:
@@ -284,14 +293,31 @@ class Reconciler:
         self._project(key, entry, task, view, rec)
         self._clean_up_or_schedule(key, view, rec)
 
-    def _find_unlabelled(self, task: JSON) -> LeaseRecord | None:
+    def _find_unlabelled(self, task: JSON, view: TaskView) -> LeaseRecord | None:
         """The Lease of a task that was claimed but whose Lease our (label-selected) watch does
         not show: found by name and owner, its labels put back so every watch sees it again."""
         rec = self.protocol.read(task["metadata"]["namespace"], task["metadata"]["name"])
         if rec is None or rec.owner_uid != task["metadata"]["uid"]:
             return None
         log.warning("lease %s/%s: its labels were removed; putting them back", rec.namespace, rec.name)
-        return self._remember(None, self.protocol.repair(TaskView.of(task), rec))
+        return self._remember(None, self.protocol.repair(view, rec))
+
+    def _report_unreadable(self, key: Key, task: JSON, exc: ValidationError) -> None:
+        """A Task whose spec the API server took and we cannot read (a time before the year 1,
+        say): skipped, and said once per version (log, metric, Warning Event), never a failed
+        reconcile retried for ever."""
+        version = str(task["metadata"].get("resourceVersion", ""))
+        with self._lock:
+            if self._unreadable.get(key) == version:
+                return
+            self._unreadable[key] = version
+        first = exc.errors()[0]
+        why = f"{'.'.join(str(p) for p in first['loc']) or 'spec'}: {first['msg']}"
+        log.warning("task %s/%s: skipped, its spec cannot be read (%s)", key[0], key[1], why)
+        metrics.MALFORMED.labels("Task", "spec").inc()
+        self._announce(task, projection.Transition("Warning", "UnreadableSpec",
+                                                   f"its spec cannot be read ({why}): the task is left as it is"),
+                       "", post=True)
 
     def _now(self) -> decision.Now:
         return decision.Now(wall=self.clock(), mono=self.monotonic())
