@@ -185,7 +185,7 @@ class ClaimedTask:
 
     def give_back(self, reason: str) -> None:
         """Release the task for another agent while its work may still run (a drain's grace ran
-        out); the work is told as of a lost lease."""
+        out, its agent closed); the work is told as of a lost lease."""
         try:
             self.release(reason)
         except errors.TaskleaseError as exc:  # lost or ended meanwhile: nothing to give back

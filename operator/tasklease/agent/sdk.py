@@ -160,10 +160,7 @@ class Agent:
         `task.lost`; with `interrupt` (main thread only) it also raises LostLease inside the
         task's `with` block (`claimed._MainThreadInterrupt` says how, and its limits)."""
         settings = self.settings
-        self._check_open()
-        models.check_queue(queue)
-        if interrupt:
-            interrupt_allowed()  # before a claim is won: a claim refused after it would be held by no one
+        self._check_claim(queue, interrupt)
         # The queue's Tasks are listed after the first look (`_early`): at a deep queue, agents
         # started together would otherwise all list at once before any claims.
         view = self._view(queue, tasks=False)
@@ -239,10 +236,7 @@ class Agent:
 
         A task due within what this process cannot yet tell of the server's clock (a new
         process has read few whole-second `Date`s) may be due already: one more look then."""
-        self._check_open()
-        models.check_queue(queue)
-        if interrupt:
-            interrupt_allowed()
+        self._check_claim(queue, interrupt)
         # The queue's controls, read while its tasks are.
         controls = self._beside.submit(queue_controls, self.kube, namespace=self.namespace, queue=queue)
         admit = OneShotAdmission(self.kube, controls, namespace=self.namespace, queue=queue,
@@ -350,6 +344,14 @@ class Agent:
     def _check_open(self) -> None:
         if self._closed.is_set():
             raise errors.NothingToClaim(f"agent {self.identity.holder} is closed")
+
+    def _check_claim(self, queue: str, interrupt: bool) -> None:
+        """What refuses a claim is refused before one is won: a claim refused after it would
+        be held by no one until it expired."""
+        self._check_open()
+        models.check_queue(queue)
+        if interrupt:
+            interrupt_allowed()
 
     def watch(self, queue: str) -> QueueView:
         """Start watching `queue` now (claim does it on first use); idempotent."""
