@@ -54,6 +54,12 @@ def test_a_held_lease_expires_after_duration_plus_grace_of_one_unchanged_version
     assert decision.next_look(view(), held(), seen, Now(T0, 990.0), SETTINGS, delete_at=None) == 1000.0
 
 
+def test_a_held_lease_expires_by_the_longest_duration_its_task_had_during_the_attempt() -> None:
+    seen = Observed(held_since=988.0, silent_s=12.0, sighting=Sighting(1, record.HELD, T0), duration_s=60)
+    assert decision.decide(view(), held(), seen, NOW, SETTINGS) is None  # the view says 10 s now
+    assert decision.next_look(view(), held(), seen, NOW, SETTINGS, delete_at=None) == 988.0 + 60 + 2
+
+
 def test_an_unseen_version_never_expires_and_a_gone_pod_expires_at_once() -> None:
     assert decision.decide(view(), held(), Observed(held_since=None, silent_s=50.0), NOW, SETTINGS) is None
     assert decision.decide(view(), held(), Observed(held_since=999.0, pod_gone=True, silent_s=1.0), NOW,

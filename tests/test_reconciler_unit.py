@@ -132,6 +132,29 @@ def test_a_task_whose_spec_cannot_be_read_is_skipped_and_said_once_per_version()
     assert len([e for e in kube.events() if e["reason"] == "UnreadableSpec"]) == 2  # a new version
 
 
+def test_a_lease_duration_lowered_while_held_applies_from_the_next_attempt() -> None:
+    """The holder renews by the duration it claimed with: lowering it on the Task must not
+    expire a holder that renews on time."""
+    kube, clock = FakeKube(), Clock(1000.0)
+    r = reconciler(kube, clock)
+    r.on_task("ADDED", kube.put(TASKS, task(leaseDurationSeconds=60)))
+    event = kube.put(LEASES, held_lease())
+    r.on_lease("ADDED", event, record.read(event))
+    r.reconcile(KEY)
+    r.on_task("MODIFIED", kube.put(TASKS, task(leaseDurationSeconds=5)))
+
+    def holder() -> str:
+        lease = kube.get_or_none(LEASES, "t", namespace="ns")
+        assert lease is not None
+        return record.decode(lease).holder
+    clock.now += 12  # past the new 5 s and the grace, well within the 60 s it claimed with
+    r.reconcile(KEY)
+    assert holder() == "agent-0/1"
+    clock.now += 50  # silent past the 60 s: expired
+    r.reconcile(KEY)
+    assert holder() == ""
+
+
 def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))

@@ -50,6 +50,7 @@ class Observed:
     held_since: float | None = None  # when this held version was first seen; None if not held or another version
     silent_s: float = 0.0  # how long the held version we last saw has stood unchanged
     attempt_since: float | None = None  # when this attempt's claim was first seen
+    duration_s: int = 0  # the longest lease duration the Task had while we saw this attempt
     pod_gone: bool = False  # the holder's own Pod went away
 
 
@@ -132,14 +133,20 @@ def decide(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now, se
     early = _early(view, rec, sighting)
     if early is not None:
         return Undo(*early)
-    timed_out = seen.held_since is not None and \
-        now.mono >= seen.held_since + view.spec.lease_duration_seconds + settings.grace_s
+    timed_out = seen.held_since is not None and now.mono >= seen.held_since + _duration(view, seen) + settings.grace_s
     if seen.pod_gone or timed_out:
         return Expire("pod-gone" if seen.pod_gone else "timeout", seen.silent_s)
     limit = timeouts.limit_s(view.spec, settings.attempt_timeout_s)
     if limit is not None and seen.attempt_since is not None and now.mono >= seen.attempt_since + limit:
         return TimeOut(now.mono - seen.attempt_since)
     return None
+
+
+def _duration(view: TaskView, seen: Observed) -> int:
+    """How long a held version may stand unchanged: the Task's lease duration, but never less
+    than the one it had while we saw this attempt (its holder renews by the one it claimed
+    with: a duration lowered meanwhile applies from the next attempt)."""
+    return max(view.spec.lease_duration_seconds, seen.duration_s)
 
 
 def backoff_end(view: TaskView, rec: LeaseRecord, sighting: Sighting, rand: Callable[[], float]) -> datetime | None:
@@ -193,7 +200,7 @@ def next_look(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now,
             wakes.append(now.mono + (when - now.wall).total_seconds())
     if rec is not None and rec.state == record.HELD:
         if seen.held_since is not None:
-            wakes.append(seen.held_since + view.spec.lease_duration_seconds + settings.grace_s)
+            wakes.append(seen.held_since + _duration(view, seen) + settings.grace_s)
         limit = timeouts.limit_s(view.spec, settings.attempt_timeout_s)
         if limit is not None and seen.attempt_since is not None:
             wakes.append(seen.attempt_since + limit)

@@ -289,6 +289,8 @@ class Reconciler:
                 log.warning("lease %s/%s: writing it back %s", rec.namespace, rec.name,
                             "without what cannot be read" if unreadable else f"in its task's queue {view.spec.queue!r}")
                 rec = self._remember(rec, self.protocol.repair(view, rec))
+        if rec is not None and rec.state == record.HELD and rec.owner_uid == view.uid:
+            self.store.note_duration(key, rec, view.spec.lease_duration_seconds)
         rec = self._act(view, rec)
         self._project(key, entry, task, view, rec)
         self._clean_up_or_schedule(key, view, rec)

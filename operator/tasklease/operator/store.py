@@ -182,6 +182,11 @@ class Store:
         with self._lock:
             return _names(self._leases, namespace)
 
+    def note_duration(self, key: Key, rec: LeaseRecord, duration_s: int) -> None:
+        """The Task's spec.leaseDurationSeconds while `rec` holds it (`timeouts.Sighting.duration_s`)."""
+        with self._lock:
+            self._attempts.note_duration(key, rec.epoch, duration_s)
+
     def observed(self, key: Key, rec: LeaseRecord | None) -> decision.Observed:
         """What our clocks saw of `rec` (the Lease `entry` gave), for `decision`."""
         held = rec is not None and rec.state == record.HELD
@@ -196,6 +201,8 @@ class Store:
                 silent_s=self._lease_clock.silent_for(key),
                 attempt_since=attempt.first_seen if held and attempt is not None and rec is not None
                 and attempt.epoch == rec.epoch else None,
+                duration_s=attempt.duration_s if held and attempt is not None and rec is not None
+                and attempt.epoch == rec.epoch else 0,
                 # The holder's own Pod went away after we saw this claim (`PodsGone`).
                 pod_gone=held and rec is not None and first_seen is not None and self._pods_gone.took(
                     (rec.namespace, rec.holder_pod), rec.holder_pod_uid, first_seen=first_seen))

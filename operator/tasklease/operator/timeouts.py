@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from tasklease.api import models
@@ -33,6 +33,9 @@ K = TypeVar("K", bound=Hashable)
 class Sighting:
     epoch: int
     first_seen: float  # on the operator's monotonic clock
+    # The longest spec.leaseDurationSeconds the Task had while we saw this attempt: its holder
+    # renews by the one it claimed with, so a duration lowered meanwhile applies from the next.
+    duration_s: int = 0
 
 
 def limit_s(spec: models.TaskSpec, default_s: int | None) -> int | None:
@@ -54,6 +57,12 @@ class AttemptClock(Generic[K]):
             self._seen.pop(key, None)
         elif (seen := self._seen.get(key)) is None or seen.epoch != rec.epoch:
             self._seen[key] = Sighting(rec.epoch, self.monotonic())
+
+    def note_duration(self, key: K, epoch: int, duration_s: int) -> None:
+        """The Task's lease duration, as a reconcile of attempt `epoch` read it."""
+        seen = self._seen.get(key)
+        if seen is not None and seen.epoch == epoch and duration_s > seen.duration_s:
+            self._seen[key] = replace(seen, duration_s=duration_s)
 
     def forget(self, key: K) -> None:
         self._seen.pop(key, None)
