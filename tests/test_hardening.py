@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from conftest import (ROOT, Cluster, Operator, Process, agent_pod_kubeconfig, audit_lines, audit_since, make_task,
                       service_account_kubeconfig, tasklease_cmd, wait_for)
@@ -26,7 +27,7 @@ from tasklease.agent.runner import Runner
 from tasklease.agent.sdk import instance_gone
 from tasklease.api import errors, models
 from tasklease_dev.cluster import free_port
-from tasklease.kube import LEASES, TASKS, Kube
+from tasklease.kube import LEASES, TASKQUEUES, TASKS, Kube
 from tasklease.operator.controller import _serve_http
 from tasklease.operator.health import Health, WatchHealth
 from tasklease.operator.leader import ElectionConfig, LeaderElector
@@ -83,7 +84,10 @@ def test_deleting_a_held_task_stops_its_command_and_exits_4(
     assert runner.wait(60) == errors.LostLease.exit_code, runner.output()
     assert "completed" not in runner.output()
     wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=30, message="the command stopped")
-    wait_for(lambda: kube.get_or_none(LEASES, "doomed") is None, message="the Lease gone (garbage collector)")
+    # The garbage collector sees Tasks once its discovery, every 30 s, has found their CRD: in a
+    # control plane just started, that can be most of a minute.
+    wait_for(lambda: kube.get_or_none(LEASES, "doomed") is None, timeout=90,
+             message="the Lease gone (garbage collector)")
     time.sleep(2)  # renewals every ~1.7 s: a holder that recreated the Lease would have by now
     assert kube.get_or_none(LEASES, "doomed") is None  # only a claim creates a Lease
 
@@ -555,3 +559,21 @@ def test_operator_deadline_lowered_max_attempts_orphans_and_metrics(
     wait_for(lambda: operator.metric("tasklease_dead_letters_total") >= 1, message="the dead letter counted")
     wait_for(lambda: operator.metric("tasklease_completions_total") >= 3, message="the third completion counted")
     assert operator.metric("tasklease_operator_leader") == 1
+
+
+def test_the_queue_controls_come_back_with_a_recreated_taskqueue_crd(
+        cluster: Cluster, kube: Kube, namespace: str, operator: Operator) -> None:
+    """The TaskQueue watches are optional (ready without them), but not left stopped for good
+    once their CRD is served again: a new queue's status is written."""
+    crd = ROOT / "crds" / "taskqueues.tasklease.dev.yaml"
+    cluster.kubectl("delete", "-f", str(crd), "--wait=true")
+    wait_for(lambda: "watch of taskqueues stopped" in operator.output(), timeout=60,
+             message="the TaskQueue watch to stop")
+    cluster.kubectl("apply", "-f", str(crd))
+    cluster.kubectl("wait", "--for=condition=Established", "-f", str(crd), "--timeout=60s")
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(
+        {"apiVersion": "tasklease.dev/v1alpha1", "kind": "TaskQueue", "metadata": {"name": "back"},
+         "spec": {"paused": True}}))
+    wait_for(lambda: (kube.get(TASKQUEUES, "back").get("status") or {}).get("observedGeneration"), timeout=90,
+             message=f"the new queue's status; log:\n{operator.output()[-2000:]}")
+    assert "the TaskQueue CRD (taskqueues.tasklease.dev) is not installed" in operator.output()

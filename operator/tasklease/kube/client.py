@@ -259,7 +259,9 @@ def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:
         # A resource the server does not serve answers with a plain 404, not a Status about an object.
         if path.startswith(TASKS.path(None).rsplit("/", 1)[0]) and (
                 "could not find the requested resource" in message or "page not found" in message):
-            return errors.CRDMissing(f"the Task CRD ({resource.PLURAL}.{resource.GROUP}) is not installed in this "
+            kind, plural = (("TaskQueue", resource.QUEUE_PLURAL) if resource.QUEUE_PLURAL in path.split("/")
+                            else ("Task", resource.PLURAL))
+            return errors.CRDMissing(f"the {kind} CRD ({plural}.{resource.GROUP}) is not installed in this "
                                      "cluster: kubectl apply -f crds/")
         return errors.NotFound(message)
     if status == 403 and _ADMISSION_DENIED in message:

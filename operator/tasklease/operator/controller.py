@@ -137,10 +137,10 @@ def _run_watches(reconciler: Reconciler, podbound: PodBound, queues: QueueContro
         loop.call_soon_threadsafe(stop.set)
     health.restart_watches = restart_watches
     reflectors = _reflectors(reconciler, podbound, queues, kube, args.namespaces, health)
-    health.watches.track(reflectors)
     # TaskQueues and slots: optional (an install without the TaskQueue CRD runs without them).
-    reflectors += [r for ns in (args.namespaces or [None]) for r in queues.reflectors(ns)]
-    for r in reflectors:
+    optional = [r for ns in (args.namespaces or [None]) for r in queues.reflectors(ns)]
+    health.watches.track(reflectors, optional=optional)
+    for r in [*reflectors, *optional]:
         r.start()
     registry = _registry(reconciler, podbound, kube, health)
     # kopf logs every handler call at INFO; our own log has one line per task transition.

@@ -44,11 +44,19 @@ class WatchHealth:
         self._failure = ""
         self._unwatched = ""
         self._reflectors: list[Reflector] = []
+        self._optional: list[Reflector] = []
 
-    def track(self, reflectors: list[Reflector]) -> None:
-        """The Reflectors now running (they replace the ones before a restart)."""
+    def track(self, reflectors: list[Reflector], optional: list[Reflector] | None = None) -> None:
+        """The Reflectors now running (they replace the ones before a restart). `optional`: of
+        what an install may lack (the TaskQueue CRD): stopped, they are no reason to be unready,
+        but the watches restart once what they watch is served (`Health.check`)."""
         with self._lock:
             self._reflectors = list(reflectors)
+            self._optional = list(optional or [])
+
+    def stopped_optional(self) -> list[Reflector]:
+        with self._lock:
+            return [r for r in self._optional if r.stopped and r.error is not None]
 
     def stopped(self) -> list[Reflector]:
         """Our watches that an error stopped for good (no rights, no CRD): only a restart brings them back."""
@@ -132,7 +140,7 @@ class Health:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.wait(self.interval_s):
-            if not self.problem and not self.watches.stopped():
+            if not self.problem and not self.watches.stopped() and not self.watches.stopped_optional():
                 continue
             try:
                 self.check()
@@ -174,11 +182,20 @@ class Health:
         if problem and problem != self.problem:
             log.error("not ready: %s", problem)
         self.problem = problem
-        stopped = self.watches.stopped()
+        stopped = self.watches.stopped() or [r for r in self.watches.stopped_optional() if self._served(r)]
         if not problem and stopped:
             # What stopped them (no CRD, no rights) is fixed now.
             log.warning("restarting the watches: the watch of %s had stopped", stopped[0].resource.plural)
             self.restart_watches()
+
+    def _served(self, r: Reflector) -> bool:
+        """What `r` watches can be listed now (its CRD is back, say)."""
+        try:
+            self.kube.list(r.resource, namespace=r.namespace, all_namespaces=r.namespace is None, limit=1,
+                           label_selector=r.label_selector, timeout=10)
+            return True
+        except errors.TaskleaseError:
+            return False
 
     def not_ready(self) -> str:
         watching = self.watches.problem()
