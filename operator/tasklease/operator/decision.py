@@ -194,8 +194,8 @@ def next_look(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now,
     brings it back."""
     wakes: list[float] = []
     open_ = rec is None or rec.state != record.CLOSED
-    backoff_end = rec.not_before if rec is not None and rec.state == record.FREE else None
-    for when in (view.spec.not_before if open_ else None, delete_at, backoff_end):
+    backing_off_until = rec.not_before if rec is not None and rec.state == record.FREE else None
+    for when in (view.spec.not_before if open_ else None, delete_at, backing_off_until):
         if when is not None and when > now.wall:
             wakes.append(now.mono + (when - now.wall).total_seconds())
     if rec is not None and rec.state == record.HELD:
