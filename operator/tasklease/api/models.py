@@ -7,12 +7,11 @@ classes by `tasklease.api.crd`; a test fails when the checked-in file is stale. 
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.alias_generators import to_camel
 
 # Re-exported, so that models.GROUP and the like read naturally; their home is `resource`.
@@ -129,13 +128,18 @@ class TaskSpec(_Model):
                     "Default: the operator's --ttl-seconds-after-finished (none: kept).")
 
 
+# What `TaskSpec.queue` accepts, judged by its own field (its bounds and pattern, stated once).
+_QUEUE_NAME: Final = TypeAdapter(Annotated[(str, *TaskSpec.model_fields["queue"].metadata)])
+
+
 def check_queue(queue: object) -> str:
     """`queue` if it can name a queue (what `TaskSpec.queue` accepts); else Invalid: a queue no
     task can be in would be waited on for ever."""
-    if not isinstance(queue, str) or not 0 < len(queue) <= 63 or not re.match(DNS_LABEL, queue):
+    try:
+        return _QUEUE_NAME.validate_python(queue, strict=True)
+    except ValidationError:
         raise errors.Invalid(f"not a queue name: {queue!r} (a DNS label: lowercase letters, digits and '-', "
-                             "at most 63 characters)")
-    return queue
+                             "at most 63 characters)") from None
 
 
 def payload_depth(value: Any) -> int:
