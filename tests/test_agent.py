@@ -214,6 +214,19 @@ def test_close_wakes_a_waiting_claim_releases_what_it_holds_and_leaves_the_queue
         agent.claim("c", timeout=1)
 
 
+def test_close_ends_the_watch_threads_at_once_on_a_quiet_queue(kube: Kube) -> None:
+    """A quiet watch's thread blocks in a read until the next event, a bookmark a minute
+    later; `close()` hangs its response up instead."""
+    before = set(threading.enumerate())
+    agent = Agent(kube, identity=Identity(pod="quiet", instance="x"))
+    view = agent.join("quiet")
+    wait_for(lambda: view.listed, message="the queue listed")  # all three watches are past their lists
+    watching = [t for t in threading.enumerate() if t not in before and t.name.startswith("watch-")]
+    assert len(watching) == 3  # the queue's Tasks, free Leases and members
+    agent.close()
+    wait_for(lambda: not any(t.is_alive() for t in watching), timeout=5, message="the watch threads to end")
+
+
 def _requeue_now(kube: Kube, name: str) -> None:
     protocol = Protocol(kube)
     protocol.requeue(TaskView.of(kube.get(TASKS, name)), protocol.read(kube.namespace, name))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,11 @@ def test_an_error_nobody_foresaw_is_still_one_line(tasklease: Any, monkeypatch: 
     monkeypatch.setattr(cli_main, "cmd_list", broken)
     code, err = tasklease("list")
     assert code == 1 and err.startswith("tasklease: unexpected error: AttributeError") and "-v" in err
+
+
+def test_claim_waits_for_an_unreachable_server_no_longer_than_asked(tasklease: Any) -> None:
+    """The queue's watches would retry for 30 s; `--wait 2` gives up on them after 2 s."""
+    began = time.monotonic()
+    code, err = tasklease("claim", "--queue", "q", "--wait", "2")
+    assert code == errors.Unreachable.exit_code and "cannot reach" in err
+    assert time.monotonic() - began < 15

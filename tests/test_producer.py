@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,10 @@ def test_submit_is_idempotent_by_name_and_wait_follows_the_task_to_its_end(
     many = producer.submit_many([(f"job-{i}", models.TaskSpec(queue="prod", priority=i)) for i in (2, 3)])
     assert [t.name for t in many] == ["job-2", "job-3"]
     assert sorted(t.name for t in producer.list(queue="prod")) == ["job-1", "job-2", "job-3"]
+    began = time.monotonic()
     with pytest.raises(TimeoutError):
-        producer.wait("job-1", timeout=1)
+        producer.wait("job-1", timeout=1.2)
+    assert time.monotonic() - began < 1.9  # not the whole seconds a watch's own timeout counts
 
     agent = Agent(kube)
     worker = threading.Thread(target=agent.work, args=("prod", lambda t: f"done {t.name}"),

@@ -145,19 +145,22 @@ class QueueView:
                       listener=self._on_member, keep_objects=False),
         ]
 
-    def start(self, timeout_s: float = 30.0, *, tasks: bool = True) -> None:
+    def start(self, timeout_s: float = 30.0, *, tasks: bool = True, failing_s: float | None = None) -> None:
         """Wait until the watches of the queue's members and free Leases have their first list
         and, with `tasks`, the watch of its Tasks its first page: the rest of a deep queue is
         listed in the background (`listed`; until then a claim reads the best band itself,
         `unlisted`). Without `tasks`, `start_tasks` starts that watch later. `timeout_s` bounds
-        a silence, not a long list: every page that arrives gives it `timeout_s` more."""
+        a silence, not a long list: every page that arrives gives it `timeout_s` more.
+        `failing_s`: a watch whose requests fail (the API server cannot be reached) is given
+        up on after that long, if sooner (a claim's own timeout)."""
+        failing = min(timeout_s, timeout_s if failing_s is None else failing_s)
         for r in self._reflectors[1:]:
             r.start()
         for r in self._reflectors[1:]:  # both listed at once
-            self._await(r, first_page=False, timeout_s=timeout_s)
+            self._await(r, first_page=False, timeout_s=timeout_s, failing_s=failing)
         if tasks:
             self.start_tasks()
-            self._await(self.task_watch, first_page=True, timeout_s=timeout_s)
+            self._await(self.task_watch, first_page=True, timeout_s=timeout_s, failing_s=failing)
 
     def start_tasks(self) -> None:
         """Start listing the queue's open Tasks, if not started yet (see `start`). A Lease, and a
@@ -167,8 +170,9 @@ class QueueView:
                 self._tasks_started = True
                 self.task_watch.start()
 
-    def _await(self, r: Reflector, *, first_page: bool, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _await(self, r: Reflector, *, first_page: bool, timeout_s: float, failing_s: float) -> None:
+        began = time.monotonic()
+        deadline = began + timeout_s
         pages = 0
         while not (r.synced.is_set() or (first_page and r.pages > 0)):
             r.synced.wait(0.1)
@@ -176,7 +180,8 @@ class QueueView:
                 pages, deadline = r.pages, time.monotonic() + timeout_s
             # Refusals are final (RBAC, a missing CRD); a flaky network gets until the deadline.
             final = r.error is not None and not isinstance(r.error, (errors.Unreachable, errors.ServerError))
-            if final or time.monotonic() > deadline:
+            failed = r.error is not None and not pages and time.monotonic() > began + failing_s
+            if final or failed or time.monotonic() > deadline:
                 self.stop()
                 if isinstance(r.error, errors.TaskleaseError):
                     raise r.error

@@ -12,6 +12,7 @@ exists (a retried submission after a lost answer is harmless); with another spec
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -133,7 +134,7 @@ class Producer:
             if left <= 0:
                 raise TimeoutError(f"task {self.namespace}/{name} is still {task.status.phase.value} "
                                    f"after {timeout:g}s")
-            obj = self._next_version(name, uid, obj, max(1, min(int(left + 0.999), _WATCH_S)))
+            obj = self._next_version(name, uid, obj, min(left, _WATCH_S))
 
     def cancel(self, name: str) -> Task:
         """Ask for the task to end Cancelled; its holder stops at once (the operator closes it)."""
@@ -147,12 +148,14 @@ class Producer:
         protocol.retry(TaskView.of(obj), protocol.read(self.namespace, name))
         return Task.of(obj)
 
-    def _next_version(self, name: str, uid: str, current: JSON, timeout_s: int) -> JSON:
-        """The task's next version, or `current` when nothing changed within `timeout_s`."""
+    def _next_version(self, name: str, uid: str, current: JSON, timeout_s: float) -> JSON:
+        """The task's next version, or `current` when nothing changed within `timeout_s`
+        (the server's bound is whole seconds; a silence of `timeout_s` ends it sooner)."""
         version = current["metadata"]["resourceVersion"]
         try:
             for event in self.kube.watch(TASKS, namespace=self.namespace, resource_version=version,
-                                         field_selector=f"metadata.name={name}", timeout_s=timeout_s):
+                                         field_selector=f"metadata.name={name}", timeout_s=math.ceil(timeout_s),
+                                         quiet_s=timeout_s):
                 obj = event["object"]
                 if event["type"] == "ERROR":
                     raise errors.Gone(str(obj.get("message", "")))

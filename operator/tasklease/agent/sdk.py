@@ -163,7 +163,7 @@ class Agent:
         self._check_claim(queue, interrupt)
         # The queue's Tasks are listed after the first look (`_early`): at a deep queue, agents
         # started together would otherwise all list at once before any claims.
-        view = self._view(queue, tasks=False)
+        view = self._view(queue, tasks=False, failing_s=timeout)
         self._gates.open(queue)
         best: Iterator[JSON] | None = None
         with self._views_lock:
@@ -359,14 +359,15 @@ class Agent:
         view.start_tasks()
         return view
 
-    def _view(self, queue: str, *, tasks: bool) -> QueueView:
-        """`queue`'s view, started (its Tasks' watch too, with `tasks`) if it is new."""
+    def _view(self, queue: str, *, tasks: bool, failing_s: float | None = None) -> QueueView:
+        """`queue`'s view, started (its Tasks' watch too, with `tasks`) if it is new; one whose
+        watches fail for `failing_s` is not (`QueueView.start`)."""
         with self._views_lock:
             view = self._views.get(queue)
             if view is None:
                 self._check_open()
                 view = QueueView(self.kube, namespace=self.namespace, queue=queue)
-                view.start(tasks=tasks)
+                view.start(tasks=tasks, failing_s=failing_s)
                 self._views[queue] = view
                 # Our claims in this queue hear of a cancel from this watch, not one more each.
                 self._unshare.append(self._followers.share(namespace=self.namespace, queue=queue,

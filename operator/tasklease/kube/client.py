@@ -8,6 +8,8 @@ the protocol must see.
 from __future__ import annotations
 
 import json
+import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,6 +70,43 @@ PODS = Resource("", "v1", "pods")
 EVENTS = Resource("", "v1", "events")
 NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False)
+
+
+class Hangup:
+    """Lets another thread end a watch's response now, though its reader is blocked reading
+    (`Kube.watch`): the connection's socket is shut down, and the read ends at once. A hangup
+    before the response opens ends it as soon as it does. Only the response it was given is
+    ever shut down: once the watch has ended, its connection may serve another request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.hung_up = False
+
+    def hang_up(self) -> None:
+        with self._lock:
+            self.hung_up = True
+            self._shut(self._sock)
+
+    def _attach(self, resp: urllib3.BaseHTTPResponse) -> None:
+        with self._lock:
+            self._sock = getattr(getattr(resp, "connection", None), "sock", None)
+            if self.hung_up:
+                self._shut(self._sock)
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._sock = None
+
+    @staticmethod
+    def _shut(sock: socket.socket | None) -> None:
+        if sock is not None:
+            # The plain socket's shutdown, under TLS too: `SSLSocket.shutdown` would drop the
+            # TLS state that the reading thread is using.
+            try:
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already
 
 
 class Kube:
@@ -213,19 +252,24 @@ class Kube:
 
     def watch(self, res: Resource, *, namespace: str | None, resource_version: str,
               label_selector: str = "", field_selector: str = "", timeout_s: int = 300,
-              initial_events: bool = False) -> Iterator[JSON]:
+              initial_events: bool = False, hangup: Hangup | None = None,
+              quiet_s: float = _WATCH_READ_TIMEOUT_S) -> Iterator[JSON]:
         """Stream watch events from `resource_version` until the server closes the stream. With
         `initial_events`, the stream starts with an ADDED event for every selected object as of
         a version not older than `resource_version` ("0": any the server's watch cache has),
-        then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`)."""
+        then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`).
+        `hangup`: another thread's way to end it at once (then it ends as if the server had).
+        `quiet_s`: it ends too after that long without a byte (`timeout_s` is whole seconds)."""
         query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
         if initial_events:
             query.update(sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
         resp = self._send("GET", res.path(namespace), query=query, body=None, content_type="application/json",
-                          timeout=(10, _WATCH_READ_TIMEOUT_S))
+                          timeout=(10, quiet_s))
         buffer = b""
         ended = False
+        if hangup is not None:
+            hangup._attach(resp)
         try:
             for chunk in resp.stream(4096, decode_content=False):
                 buffer += chunk
@@ -241,8 +285,12 @@ class Kube:
             # closed it, and is resumed from the last version seen.
             return
         except (urllib3.exceptions.HTTPError, OSError) as exc:
+            if hangup is not None and hangup.hung_up:
+                return
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
         finally:
+            if hangup is not None:
+                hangup._detach()
             if not ended:
                 # Left before the server ended it (the reader stopped, or the read failed): the
                 # rest of the stream is still coming on this connection, which no other

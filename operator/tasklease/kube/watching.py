@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection
 from tasklease.api import errors
 from tasklease.api.retry import Backoff, transient
 from tasklease.kube import JSON, Kube, Resource
-from tasklease.kube.client import INITIAL_EVENTS_END
+from tasklease.kube.client import INITIAL_EVENTS_END, Hangup
 
 # The timeout of a streaming list's response, which the watch then goes on in: a deep queue
 # listed by many agents at once takes minutes, longer than a watch's usual timeout.
@@ -93,6 +93,7 @@ class Reflector:
         self.resumed = 0  # lists that outlived their snapshot and went on at a newer version
         self.cut_short = 0  # streaming lists the API server ended before their last object
         self._stop = threading.Event()
+        self._hangup = Hangup()  # `stop` ends a watch under way at once, not at its next event
         self._rv = since
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
 
@@ -101,6 +102,7 @@ class Reflector:
 
     def stop(self) -> None:
         self._stop.set()
+        self._hangup.hang_up()
 
     @property
     def stopped(self) -> bool:
@@ -205,7 +207,8 @@ class Reflector:
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
                                      label_selector=self.label_selector, field_selector=self.field_selector,
-                                     timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True):
+                                     timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True,
+                                     hangup=self._hangup):
             if self._stop.is_set():
                 return bool(self._rv)
             kind, obj = event["type"], event["object"]
@@ -246,7 +249,7 @@ class Reflector:
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
                                      label_selector=self.label_selector, field_selector=self.watch_field_selector,
-                                     timeout_s=self.watch_timeout_s):
+                                     timeout_s=self.watch_timeout_s, hangup=self._hangup):
             if self._stop.is_set():
                 return
             self._event(event["type"], event["object"])
