@@ -62,6 +62,24 @@ def test_name_and_jsonpath() -> None:
         output.jsonpath({}, "{range .items[*]}{.x}")
 
 
+def test_jsonpath_filters_as_kubectl_does() -> None:
+    tasks = [_task("a", "Failed"), _task("b", "Running"), _task("c", "Failed")]
+    failed = output.render(tasks, 'jsonpath={.items[?(@.status.phase=="Failed")].metadata.name}', single=False)
+    assert failed == "a c"
+    assert output.render(tasks, "jsonpath={.items[?(@.status.phase!='Failed')].metadata.name}",
+                         single=False) == "b"
+    assert output.render(tasks, "jsonpath={.items[?(@.status.missing)].metadata.name}", single=False) == ""
+    assert output.jsonpath({"items": [{"n": 1}, {"n": 5}, {"n": "x"}]}, "{.items[?(@.n > 2)].n}") == "5"
+
+
+@pytest.mark.parametrize("template", ["{.status.phase", ".status.phase}", "{status}", "{.items[0].a b}",
+                                      "{.items[?(@.a ~ 1)]}", "{.items[?(@.a==Failed)]}"])
+def test_jsonpath_it_cannot_read_is_an_error_not_text(template: str) -> None:
+    """kubectl fails on these; printing nothing, or the template, would read as an answer."""
+    with pytest.raises(errors.Invalid, match="jsonpath"):
+        output.jsonpath({"status": {"phase": "Failed"}, "items": [{"a": 1}]}, template)
+
+
 def test_unknown_formats_are_refused() -> None:
     assert output.check_format("jsonpath={.a}") == "jsonpath={.a}"
     for bad in ("xml", "jsonpath=", "custom-columns=A:.a"):

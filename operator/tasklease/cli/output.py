@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import re
 from collections.abc import Iterable
 from datetime import datetime
@@ -99,14 +100,20 @@ def duration(seconds: float) -> str:
     return f"{max(seconds, 0)}s"
 
 
-# -- jsonpath: kubectl's template subset (fields, [n], [*], {range}...{end}) --------------------
+# -- jsonpath: kubectl's template subset (fields, [n], [*], [?()], {range}...{end}) --------------
 
 _TOKEN = re.compile(r"\{([^{}]*)\}")
+_STEP = re.compile(r"\.([^.\[\]\s]*)|\[([^\]]*)\]")
+# A filter's test: `@.path`, alone (it exists) or compared with a literal.
+_FILTER = re.compile(r"\?\(\s*@((?:\.[^.\[\]\s=!<>)]+)*)\s*(?:(==|!=|<=|>=|<|>)\s*(.+?))?\s*\)")
+_COMPARE: dict[str, Any] = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
+                            ">": operator.gt, ">=": operator.ge}
 
 
 def jsonpath(doc: Any, template: str) -> str:
     """kubectl's `-o jsonpath=`: `{.a.b}`, `{.items[*].metadata.name}`, `{.items[0]}`,
-    `{range .items[*]}...{end}`, and literal text with `\\n` and `\\t`."""
+    `{.items[?(@.status.phase=="Failed")].metadata.name}`, `{range .items[*]}...{end}`, and
+    literal text with `\\n` and `\\t`. What it cannot read is Invalid, never printed as is."""
     out: list[str] = []
     _expand(doc, _parse(template.replace("\\n", "\n").replace("\\t", "\t")), out)
     return "".join(out)
@@ -139,6 +146,9 @@ def _parse(template: str) -> list[Any]:
         raise errors.Invalid("jsonpath: {range} without {end}")
     if pos < len(template):
         nodes.append(template[pos:])
+    for node in nodes:
+        if isinstance(node, str) and ("{" in node or "}" in node):
+            raise errors.Invalid(f"jsonpath: unclosed action in {template!r}")
     return nodes
 
 
@@ -154,12 +164,17 @@ def _expand(doc: Any, nodes: list[Any], out: list[str]) -> None:
 
 
 def select(doc: Any, expr: str) -> list[Any]:
-    """The values `expr` (`.a.b[0].c`, `.items[*].x`, `$`) names in `doc`; missing: none."""
+    """The values `expr` (`.a.b[0].c`, `.items[*].x`, `.items[?(@.a=="b")]`, `$`) names in
+    `doc`; missing: none. Invalid when `expr` is not such a path."""
     expr = expr.strip()
     if expr.startswith("$"):
         expr = expr[1:]
+    steps = list(_STEP.finditer(expr))
+    if "".join(m.group() for m in steps) != expr or (expr and not steps):
+        raise errors.Invalid(f"jsonpath: cannot read {{{expr}}} (use fields, [n], [*] or [?(@.field==value)])")
     values = [doc]
-    for name, index in re.findall(r"\.([^.\[\]]*)|\[([^\]]*)\]", expr):
+    for step in steps:
+        name, index = step.group(1), step.group(2)
         nxt: list[Any] = []
         for v in values:
             if name:
@@ -167,12 +182,38 @@ def select(doc: Any, expr: str) -> list[Any]:
                     nxt.append(v[name])
             elif index == "*":
                 nxt.extend(v if isinstance(v, list) else v.values() if isinstance(v, dict) else [])
+            elif index.startswith("?"):
+                nxt.extend(_filtered(v, index))
             elif isinstance(v, list) and index.lstrip("-").isdigit() and -len(v) <= int(index) < len(v):
                 nxt.append(v[int(index)])
             elif isinstance(v, dict) and index.strip("'\"") in v:
                 nxt.append(v[index.strip("'\"")])
         values = nxt
     return values
+
+
+def _filtered(value: Any, test: str) -> list[Any]:
+    """The items of `value` (a list, or a mapping's values) that pass `test`, `?(@.path)` or
+    `?(@.path OP literal)`: a quoted string, a number, true, false or null."""
+    found = _FILTER.fullmatch(test)
+    if found is None:
+        raise errors.Invalid(f"jsonpath: cannot read the filter [{test}] (use [?(@.field==value)])")
+    path, op, literal = found.groups()
+    items = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else []
+    if op is None:
+        return [item for item in items if select(item, path)]
+    try:
+        wanted = json.loads(literal.replace("'", '"') if literal[:1] == "'" else literal)
+    except ValueError:
+        raise errors.Invalid(f"jsonpath: cannot read {literal!r} in the filter [{test}] "
+                             "(a quoted string, a number, true, false or null)") from None
+
+    def passes(got: Any) -> bool:
+        try:
+            return bool(_COMPARE[op](got, wanted))
+        except TypeError:  # ordering a string against a number: no match, as kubectl
+            return False
+    return [item for item in items if any(passes(got) for got in select(item, path))]
 
 
 def _text(value: Any) -> str:
