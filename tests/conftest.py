@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from tasklease.api import errors
-from tasklease.kube import NAMESPACES, PODS, TASKS, Kube, Resource
+from tasklease.kube import LEASES, NAMESPACES, PODS, TASKQUEUES, TASKS, Kube, Resource
+from tasklease.protocol import record
 from tasklease_dev import binaries
 from tasklease_dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
 from tasklease_dev.crds import apply_crds
@@ -119,6 +120,18 @@ def make_task(kube: Kube, name: str, *, queue: str = "q", **spec: Any) -> dict[s
     body = {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
             "spec": {"queue": queue, **spec}}
     return kube.create(TASKS, body)
+
+
+def make_queue(kube: Kube, name: str, **spec: Any) -> dict[str, Any]:
+    """A TaskQueue: its controls (`paused`, `maxRunning`, `claimsPerSecond`)."""
+    return kube.create(TASKQUEUES, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "TaskQueue",
+                                    "metadata": {"name": name}, "spec": spec})
+
+
+def undone(kube: Kube, name: str) -> bool:
+    """The last claim of task `name` was undone by the operator (a queue's control broken)."""
+    rec = record.decode(kube.get(LEASES, name))
+    return not rec.holder and bool(rec.history) and rec.history[-1].outcome == "Undone"
 
 
 # -- identities: service accounts with the chart's RBAC ------------------------------------

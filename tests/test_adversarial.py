@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import AGENT_SA, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
+from conftest import (AGENT_SA, Cluster, agent_pod_kubeconfig, make_queue, make_task, service_account_kubeconfig,
+                      undone, wait_for)
 from test_chart import CHART, _helm
 from tasklease.agent import Agent, Identity
 from tasklease.api import errors, models
@@ -687,16 +688,6 @@ def _mallory(cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str
     return mallory, Identity(pod="mallory", instance="1", pod_uid=record.short_uid(uid)).holder
 
 
-def _taskqueue(kube: Kube, name: str, **spec: Any) -> None:
-    kube.create(TASKQUEUES, {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": "TaskQueue",
-                             "metadata": {"name": name}, "spec": spec})
-
-
-def _undone(kube: Kube, name: str) -> bool:
-    rec = record.decode(kube.get(LEASES, name))
-    return not rec.holder and bool(rec.history) and rec.history[-1].outcome == "Undone"
-
-
 def test_a_claim_labelled_with_another_queue_still_obeys_its_own_queues_controls(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
         operator: Any) -> None:
@@ -704,8 +695,8 @@ def test_a_claim_labelled_with_another_queue_still_obeys_its_own_queues_controls
     maxRunning they hold no slot of, are undone once the operator has put them back in their
     tasks' queues."""
     mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
-    _taskqueue(kube, "stopped", paused=True)
-    _taskqueue(kube, "guarded", maxRunning=1)
+    make_queue(kube, "stopped", paused=True)
+    make_queue(kube, "guarded", maxRunning=1)
     views = [TaskView.of(make_task(kube, name, queue=queue)) for name, queue in (("s-1", "stopped"),
                                                                                   ("g-1", "guarded"))]
     wait_for(lambda: kube.get(TASKQUEUES, "stopped").get("status", {}).get("observedGeneration"),
@@ -714,8 +705,8 @@ def test_a_claim_labelled_with_another_queue_still_obeys_its_own_queues_controls
     for view in views:
         write = create(mallory, replace(claimed(view, None, holder, now_utc()), queue="elsewhere"))
         wait_for(lambda w=write: _refusal(w) == "", timeout=30, message="mallory's claim to be judged")
-    wait_for(lambda: _undone(kube, "s-1"), timeout=30, message="the claim in the paused queue undone")
-    wait_for(lambda: _undone(kube, "g-1"), timeout=60, message="the claim without a slot undone")
+    wait_for(lambda: undone(kube, "s-1"), timeout=30, message="the claim in the paused queue undone")
+    wait_for(lambda: undone(kube, "g-1"), timeout=60, message="the claim without a slot undone")
 
 
 def test_slots_numbered_above_max_running_cover_no_claim(
@@ -724,7 +715,7 @@ def test_slots_numbered_above_max_running_cover_no_claim(
     """The policy accepts any slot number (it cannot read the limit): slots 7 and 8 of a queue
     whose maxRunning is 1 cover none of their holder's claims."""
     mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
-    _taskqueue(kube, "limited", maxRunning=1)
+    make_queue(kube, "limited", maxRunning=1)
     names = [f"l-{i}" for i in range(3)]
     for name in names:
         make_task(kube, name, queue="limited")
@@ -733,7 +724,7 @@ def test_slots_numbered_above_max_running_cover_no_claim(
         mallory.create(LEASES, slots._body(mallory, "limited", index, holder))
     for name in names:
         Protocol(mallory).claim(TaskView.of(kube.get(TASKS, name)), None, holder)
-    wait_for(lambda: sum(_undone(kube, n) for n in names) == 2, timeout=60,
+    wait_for(lambda: sum(undone(kube, n) for n in names) == 2, timeout=60,
              message="every claim but the one under slot 0 undone")
     assert record.decode(kube.get(LEASES, "l-0")).holder == holder  # the oldest: the newest go first
 
@@ -744,7 +735,7 @@ def test_a_rate_bucket_time_that_is_no_time(
     agent reading one all the same (written past the policy, say before it was installed)
     takes it as now: no write of the bucket stops a claim."""
     mallory, _ = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
-    _taskqueue(kube, "rated", claimsPerSecond=5)
+    make_queue(kube, "rated", claimsPerSecond=5)
     bucket = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
               "metadata": {"name": rate.lease_name("rated"), "labels": {slots.LABEL_SLOT_OF: "rated"},
                            "annotations": {rate.ANN_NEXT: "not-a-time"}},

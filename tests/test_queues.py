@@ -13,17 +13,13 @@ from typing import Any
 
 import pytest
 
-from conftest import Cluster, Operator, agent_pod_kubeconfig, make_task, read_audit, tasklease_cmd, wait_for
+from conftest import (Cluster, Operator, agent_pod_kubeconfig, make_queue, make_task, read_audit, tasklease_cmd, undone,
+                      wait_for)
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.api import errors, queues
 from tasklease.operator.queues import PAUSE_GRACE_S, rate_allowance
 from tasklease.kube import EVENTS, LEASES, TASKQUEUES, TASKS, Kube
 from tasklease.protocol import Protocol, TaskView, rate, record, slots
-
-
-def _queue(kube: Kube, name: str, **spec: Any) -> dict[str, Any]:
-    return kube.create(TASKQUEUES, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "TaskQueue",
-                                    "metadata": {"name": name}, "spec": spec})
 
 
 def _cli(cluster: Cluster, namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -64,7 +60,7 @@ def test_pause_stops_claims_and_resume_restarts_them(cluster: Cluster, kube: Kub
 def test_max_running_holds_under_a_race_of_16_agents(cluster: Cluster, namespace: str, audit_log: Path) -> None:
     limit, total = 3, 48
     admin = cluster.kube(namespace)
-    _queue(admin, "limited", maxRunning=limit)
+    make_queue(admin, "limited", maxRunning=limit)
     for i in range(total):
         make_task(admin, f"job-{i:02d}", queue="limited")
     lock, stop = threading.Lock(), threading.Event()
@@ -116,8 +112,8 @@ def test_max_running_holds_under_a_race_of_16_agents(cluster: Cluster, namespace
 def test_the_operator_takes_back_claims_that_ignore_the_controls(
         cluster: Cluster, kube: Kube, namespace: str, operator: Operator) -> None:
     """A hostile agent claims with the protocol alone, skipping the gate: the operator undoes it."""
-    _queue(kube, "guarded", maxRunning=1)
-    _queue(kube, "stopped", paused=True)
+    make_queue(kube, "guarded", maxRunning=1)
+    make_queue(kube, "stopped", paused=True)
     for name, queue in (("g-1", "guarded"), ("g-2", "guarded"), ("s-1", "stopped")):
         make_task(kube, name, queue=queue)
     rogue = Protocol(kube)
@@ -127,11 +123,9 @@ def test_the_operator_takes_back_claims_that_ignore_the_controls(
     held = [rogue.claim(TaskView.of(kube.get(TASKS, n)), None, "rogue/1") for n in ("g-1", "g-2", "s-1")]
     assert all(h.epoch == 1 for h in held)
 
-    def undone(name: str) -> bool:
-        rec = record.decode(kube.get(LEASES, name))
-        return not rec.holder and bool(rec.history) and rec.history[-1].outcome == "Undone"
-    wait_for(lambda: undone("s-1"), timeout=30, message="the claim made while paused undone")
-    wait_for(lambda: undone("g-1") and undone("g-2"), timeout=60, message="the claims without a slot undone")
+    wait_for(lambda: undone(kube, "s-1"), timeout=30, message="the claim made while paused undone")
+    wait_for(lambda: undone(kube, "g-1") and undone(kube, "g-2"), timeout=60,
+             message="the claims without a slot undone")
     assert "while queue stopped is paused" in record.decode(kube.get(LEASES, "s-1")).history[-1].message
     with pytest.raises(errors.LostLease):
         rogue.complete(held[0], "mine anyway")
@@ -139,15 +133,15 @@ def test_the_operator_takes_back_claims_that_ignore_the_controls(
     wait_for(lambda: queues.CLAIM_UNDONE in _events(kube, "guarded"), message="the ClaimUndone Event")
 
     # Claims beyond the rate (the operator has run longer than its window by now): the excess is undone.
-    _queue(kube, "slow", claimsPerSecond=0.1)
+    make_queue(kube, "slow", claimsPerSecond=0.1)
     allowed = rate_allowance(0.1)
     for i in range(allowed + 2):
         make_task(kube, f"fast-{i}", queue="slow")
     for i in range(allowed + 2):
         rogue.claim(TaskView.of(kube.get(TASKS, f"fast-{i}")), None, "rogue/1")
-    wait_for(lambda: sum(undone(f"fast-{i}") for i in range(allowed + 2)) == 2, timeout=30,
+    wait_for(lambda: sum(undone(kube, f"fast-{i}") for i in range(allowed + 2)) == 2, timeout=30,
              message="the claims beyond the rate undone")
-    kept = [i for i in range(allowed + 2) if not undone(f"fast-{i}")]
+    kept = [i for i in range(allowed + 2) if not undone(kube, f"fast-{i}")]
     assert len(kept) == allowed and all(record.decode(kube.get(LEASES, f"fast-{i}")).holder for i in kept)
 
     # A slot held by nobody's task (its agent died) is freed for the others.
@@ -159,7 +153,7 @@ def test_the_operator_takes_back_claims_that_ignore_the_controls(
 
 def test_agents_may_hold_slots_only_in_their_own_name(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path) -> None:
-    _queue(kube, "shared", maxRunning=1)
+    make_queue(kube, "shared", maxRunning=1)
     alice = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "alice", chart_roles["agent"],
                                                              tmp_path)))
     bob = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "bob", chart_roles["agent"], tmp_path)))
@@ -189,7 +183,7 @@ def test_agents_may_hold_slots_only_in_their_own_name(
 
 
 def test_status_columns_and_events(cluster: Cluster, kube: Kube, namespace: str, operator: Operator) -> None:
-    _queue(kube, "shop", maxRunning=1)
+    make_queue(kube, "shop", maxRunning=1)
     for i in range(3):
         make_task(kube, f"o-{i}", queue="shop")
     with Agent(cluster.kube(namespace), identity=Identity(pod="worker", instance="1")) as agent:
@@ -223,7 +217,7 @@ def test_claims_per_second_bounds_the_claims_of_every_agent(cluster: Cluster, na
                                                             audit_log: Path) -> None:
     per_s, total = 4.0, 16
     admin = cluster.kube(namespace)
-    _queue(admin, "paced", claimsPerSecond=per_s)
+    make_queue(admin, "paced", claimsPerSecond=per_s)
     for i in range(total):
         make_task(admin, f"r-{i:02d}", queue="paced")
     stop, lock, done = threading.Event(), threading.Lock(), [0]
@@ -264,7 +258,7 @@ def test_claims_per_second_bounds_the_claims_of_every_agent(cluster: Cluster, na
 
 def test_a_shell_claim_keeps_its_slot_until_its_task_ends(cluster: Cluster, kube: Kube, namespace: str) -> None:
     """`tasklease claim --wait` claims through the SDK and hands the lease to the shell: its slot stays taken."""
-    _queue(kube, "one", maxRunning=1)
+    make_queue(kube, "one", maxRunning=1)
     for i in range(2):
         make_task(kube, f"sh-{i}", queue="one")
     first = _cli(cluster, namespace, "claim", "--queue", "one", "--wait", "30")
