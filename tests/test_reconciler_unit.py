@@ -118,7 +118,8 @@ def test_an_unreadable_event_queues_nothing() -> None:
 
 
 def test_a_task_whose_spec_cannot_be_read_is_skipped_and_said_once_per_version() -> None:
-    """The API server takes a date-time in the year 0000, which no reader can hold."""
+    """A date-time in the year 0000, which no reader can hold: the CRD refuses it now, but a
+    Task stored before that rule (or under an older CRD) may have one."""
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))
     r.on_task("ADDED", kube.put(TASKS, task(deadline="0000-01-01T00:00:00Z")))

@@ -26,6 +26,9 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("attempt-timeout-zero", {"attemptTimeoutSeconds": 0}, "spec.attemptTimeoutSeconds"),
     ("payload-not-object", {"payload": "hello"}, "spec.payload: Invalid value"),
     ("deadline-not-time", {"deadline": "tomorrow"}, "spec.deadline"),
+    ("deadline-year-0", {"deadline": "0000-06-01T00:00:00Z"}, "spec.deadline: Invalid value"),
+    ("not-before-year-10000-in-utc", {"notBefore": "9999-12-31T23:00:00-05:00"},
+     "spec.notBefore: Invalid value: \"9999-12-31T23:00:00-05:00\": must be a time in the years 1 to 9999"),
     ("cancel-not-bool", {"cancel": "yes"}, "spec.cancel: Invalid value"),
 ]
 

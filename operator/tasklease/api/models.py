@@ -13,6 +13,7 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 # Re-exported, so that models.GROUP and the like read naturally; their home is `resource`.
 from tasklease.api import errors
@@ -77,6 +78,13 @@ class Backoff(_Model):
         return delay / 2 + rand() * delay / 2 if self.jitter else float(delay)
 
 
+# A time the API server's date-time format takes and no reader can (the year 0000, or a year
+# 10000 once in UTC): refused where the Task is written, not skipped where it is read.
+_TIME_IN_RANGE: Final[JsonDict] = {"x-kubernetes-validations": [
+    {"rule": "self >= timestamp('0001-01-01T00:00:00Z') && self <= timestamp('9999-12-31T23:59:59Z')",
+     "message": "must be a time in the years 1 to 9999, in UTC"}]}
+
+
 class TaskSpec(_Model):
     """What to do, and the rules for its attempts."""
 
@@ -105,14 +113,14 @@ class TaskSpec(_Model):
                              json_schema_extra={"default": Backoff().model_dump(mode="json", by_alias=True)},
                              description="Delay between attempts.")
     deadline: datetime | None = Field(
-        default=None,
+        default=None, json_schema_extra=_TIME_IN_RANGE,
         description="RFC 3339 time after which no new attempt starts; an unfinished task then fails with "
                     "reason DeadlineExceeded.")
     cancel: bool = Field(
         default=False,
         description="Set to true to cancel: the current holder loses its lease and the task ends Cancelled.")
     not_before: datetime | None = Field(
-        default=None,
+        default=None, json_schema_extra=_TIME_IN_RANGE,
         description="RFC 3339 time before which no attempt starts (a delayed start); backoff never ends "
                     "earlier than this either.")
     attempt_timeout_seconds: int | None = Field(
