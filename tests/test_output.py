@@ -70,10 +70,14 @@ def test_jsonpath_filters_as_kubectl_does() -> None:
                          single=False) == "b"
     assert output.render(tasks, "jsonpath={.items[?(@.status.missing)].metadata.name}", single=False) == ""
     assert output.jsonpath({"items": [{"n": 1}, {"n": 5}, {"n": "x"}]}, "{.items[?(@.n > 2)].n}") == "5"
+    assert output.jsonpath({"items": [{"n": 1}, {"n": 5}]}, "{range .items[*]}{@.n};{end}") == "1;5;"
+    assert output.jsonpath({"a": 1}, "{$.a}") == "1"
+    assert output.jsonpath({"a": 1}, "{.}") == '{"a":1}'
 
 
 @pytest.mark.parametrize("template", ["{.status.phase", ".status.phase}", "{status}", "{.items[0].a b}",
-                                      "{.items[?(@.a ~ 1)]}", "{.items[?(@.a==Failed)]}"])
+                                      "{.items[?(@.a ~ 1)]}", "{.items[?(@.a==Failed)]}",
+                                      "{..a}"])
 def test_jsonpath_it_cannot_read_is_an_error_not_text(template: str) -> None:
     """kubectl fails on these; printing nothing, or the template, would read as an answer."""
     with pytest.raises(errors.Invalid, match="jsonpath"):

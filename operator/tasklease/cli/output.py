@@ -164,17 +164,19 @@ def _expand(doc: Any, nodes: list[Any], out: list[str]) -> None:
 
 
 def select(doc: Any, expr: str) -> list[Any]:
-    """The values `expr` (`.a.b[0].c`, `.items[*].x`, `.items[?(@.a=="b")]`, `$`) names in
+    """The values `expr` (`.a.b[0].c`, `.items[*].x`, `.items[?(@.a=="b")]`, `$`, `@`) names in
     `doc`; missing: none. Invalid when `expr` is not such a path."""
     expr = expr.strip()
-    if expr.startswith("$"):
+    if expr[:1] in ("$", "@"):  # the root, or in a range the current item: where a path starts anyway
         expr = expr[1:]
     steps = list(_STEP.finditer(expr))
-    if "".join(m.group() for m in steps) != expr or (expr and not steps):
+    if "".join(m.group() for m in steps) != expr or (expr and not steps) or ".." in expr:
         raise errors.Invalid(f"jsonpath: cannot read {{{expr}}} (use fields, [n], [*] or [?(@.field==value)])")
     values = [doc]
     for step in steps:
-        name, index = step.group(1), step.group(2)
+        name, index = step.group(1), step.group(2) or ""
+        if name == "":  # `{.}`: the object itself
+            continue
         nxt: list[Any] = []
         for v in values:
             if name:
