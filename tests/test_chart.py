@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,8 +71,36 @@ def test_the_crd_is_a_template_kept_on_uninstall_or_left_out() -> None:
 
 
 def test_a_pdb_only_with_more_than_one_replica() -> None:
-    assert by_kind(render(), "PodDisruptionBudget")
+    pdb = by_kind(render(), "PodDisruptionBudget")
+    assert pdb and pdb[0]["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a crash loop holds no drain up
     assert not by_kind(render("operator.replicas=1"), "PodDisruptionBudget")
+
+
+def test_replicas_without_an_election_are_refused() -> None:
+    done = _helm("template", "rel", str(CHART), "--set", "operator.leaderElection.enabled=false")
+    assert done.returncode != 0 and "needs operator.leaderElection.enabled" in done.stderr, done.stderr
+    assert render("operator.leaderElection.enabled=false", "operator.replicas=1")
+    done = _helm("template", "rel", str(CHART), "--set", "operator.leaderElection.leaseDurationSeconds=0.5")
+    assert done.returncode != 0 and "schema" in done.stderr  # the operator refuses under a second
+
+
+def test_large_durations_from_a_values_file_stay_integers(tmp_path: Path) -> None:
+    """Helm reads a values file's numbers as floats; printed as 2.592e+06 the operator's int flags refuse them."""
+    values = tmp_path / "values.yaml"
+    values.write_text("operator:\n  ttlSecondsAfterFinished: 2592000\n  attemptTimeoutSeconds: 1209600\n")
+    done = _helm("template", "rel", str(CHART), "-f", str(values))
+    assert done.returncode == 0, done.stderr
+    deployment = by_kind([d for d in yaml.safe_load_all(done.stdout) if d], "Deployment")[0]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--ttl-seconds-after-finished=2592000" in args and "--attempt-timeout=1209600" in args
+
+
+def test_a_long_release_name_keeps_object_names_within_63_characters() -> None:
+    long = "r" * 53
+    done = _helm("template", long, str(CHART), "-n", "ops")
+    assert done.returncode == 0, done.stderr
+    names = [d["metadata"]["name"] for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "Service"]
+    assert names and all(len(n) <= 63 for n in names), names
 
 
 def test_watch_namespaces_gives_roles_not_cluster_wide_rights() -> None:
@@ -116,6 +145,13 @@ def test_host_network_values_keep_the_pods_on_loopback() -> None:
     assert container["livenessProbe"]["httpGet"]["host"] == "127.0.0.1"
     default = by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]
     assert "hostNetwork" not in default and "host" not in default["containers"][0]["readinessProbe"]["httpGet"]
+
+
+def test_no_helm_test_where_the_operator_watches_not_the_release_namespace() -> None:
+    def hooks(*sets: str) -> list[dict[str, Any]]:
+        return [d for d in render(*sets) if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    assert not hooks("operator.watchNamespaces={a,b}")  # its Task would never be projected
+    assert hooks("operator.watchNamespaces={a,ops}") and hooks()
 
 
 def test_helm_test_checks_the_operator_and_a_task_round_trip_with_its_own_rights() -> None:

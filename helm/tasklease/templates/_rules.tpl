@@ -52,12 +52,10 @@
   - watch
 - apiGroups:
   - ''
-  - events.k8s.io
   resources:
   - events
   verbs:
   - create
-  - patch
 {{- end }}
 {{- define "tasklease.operatorClusterRules" }}
 - apiGroups:

@@ -28,7 +28,7 @@ OPERATOR: Final[list[Rule]] = [
      "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     # The fast path: a holder's Pod deleted or terminated.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
 # Cluster-scoped: a ClusterRole even when the chart limits the operator to some namespaces.
