@@ -240,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, claim no more and let running commands finish within --grace; exit 0")
     p.add_argument("--timeout", type=_seconds, metavar="SECONDS",
                    help="stop the command (SIGTERM, SIGKILL after --grace) once it has run this long and fail "
-                        "the attempt with reason AttemptTimedOut (default: the Task's attemptTimeoutSeconds; "
-                        "none if it has none)")
+                        "the attempt, its message starting 'AttemptTimedOut:' (default: the Task's "
+                        "attemptTimeoutSeconds; none if it has none)")
     p.add_argument("--metrics-port", type=_port, metavar="PORT",
                    help="serve this agent's Prometheus metrics (claims, completions, failures, lost leases, "
                         "run time) on /metrics at PORT (needs prometheus-client: pip install 'tasklease[metrics]')")
