@@ -21,8 +21,9 @@ def _helm(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(binaries.ensure_helm()), *args, *offline], capture_output=True, text=True)
 
 
-def render(*sets: str) -> list[dict[str, Any]]:
-    done = _helm("template", "rel", str(CHART), "-n", "ops", *[a for s in sets for a in ("--set", s)])
+def render(*sets: str, release: str = "rel", values: Path | None = None) -> list[dict[str, Any]]:
+    done = _helm("template", release, str(CHART), "-n", "ops", *[a for s in sets for a in ("--set", s)],
+                 *(["-f", str(values)] if values else []))
     assert done.returncode == 0, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
@@ -88,18 +89,13 @@ def test_large_durations_from_a_values_file_stay_integers(tmp_path: Path) -> Non
     """Helm reads a values file's numbers as floats; printed as 2.592e+06 the operator's int flags refuse them."""
     values = tmp_path / "values.yaml"
     values.write_text("operator:\n  ttlSecondsAfterFinished: 2592000\n  attemptTimeoutSeconds: 1209600\n")
-    done = _helm("template", "rel", str(CHART), "-f", str(values))
-    assert done.returncode == 0, done.stderr
-    deployment = by_kind([d for d in yaml.safe_load_all(done.stdout) if d], "Deployment")[0]
+    deployment = by_kind(render(values=values), "Deployment")[0]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--ttl-seconds-after-finished=2592000" in args and "--attempt-timeout=1209600" in args
 
 
 def test_a_long_release_name_keeps_object_names_within_63_characters() -> None:
-    long = "r" * 53
-    done = _helm("template", long, str(CHART), "-n", "ops")
-    assert done.returncode == 0, done.stderr
-    names = [d["metadata"]["name"] for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "Service"]
+    names = [d["metadata"]["name"] for d in by_kind(render(release="r" * 53), "Service")]
     assert names and all(len(n) <= 63 for n in names), names
 
 

@@ -193,16 +193,16 @@ class Store:
         with self._lock:
             seen = self._lease_clock.seen(key)
             attempt = self._attempts.sighting(key)
+            # The sighting of this very attempt, if it is held.
+            this = attempt if held and attempt is not None and rec is not None and attempt.epoch == rec.epoch else None
             first_seen = self._lease_clock.first_seen(key)
             return decision.Observed(
                 sighting=self._sightings.get(key),
                 held_since=seen.first_seen if held and seen is not None and rec is not None
                 and seen.resource_version == rec.resource_version else None,
                 silent_s=self._lease_clock.silent_for(key),
-                attempt_since=attempt.first_seen if held and attempt is not None and rec is not None
-                and attempt.epoch == rec.epoch else None,
-                duration_s=attempt.duration_s if held and attempt is not None and rec is not None
-                and attempt.epoch == rec.epoch else 0,
+                attempt_since=this.first_seen if this is not None else None,
+                duration_s=this.duration_s if this is not None else 0,
                 # The holder's own Pod went away after we saw this claim (`PodsGone`).
                 pod_gone=held and rec is not None and first_seen is not None and self._pods_gone.took(
                     (rec.namespace, rec.holder_pod), rec.holder_pod_uid, first_seen=first_seen))
