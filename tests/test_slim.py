@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tasklease.api import models
 from tasklease.operator import projection
-from tasklease.operator.slim import slim, slim_lease
+from tasklease.operator.slim import Warm, slim, slim_lease
 from tasklease.protocol import LeaseRecord, record
 
 pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
@@ -38,6 +38,8 @@ def test_a_task_comes_back_with_what_decisions_read_and_without_its_payload() ->
     assert back["status"] == task["status"]
     assert "payload" not in back["spec"] and back["spec"]["queue"] == "q"
     assert (kept.queue, kept.created) == ("q", "2026-01-02T03:04:05Z")
+    kept.cool()
+    assert kept.warm is None and kept.json() == back
     assert len(kept.packed) < len(json.dumps(back)) / 2
 
 
@@ -60,7 +62,11 @@ def test_a_lease_decodes_to_the_same_record_with_its_uid() -> None:
     read = record.decode(raw)
     kept = slim_lease(read)
     assert kept.record() == read
+    kept.cool()
+    assert kept.warm is None and kept.packed
+    assert kept.record() == read
     assert kept.record().raw["metadata"]["uid"] == "lease-uid"
+    assert "managedFields" not in kept.record().raw["metadata"]
     assert (kept.held_by_pod, kept.resource_version) == ("pod-1", "9")
     assert slim_lease(record.decode(record.encode(LeaseRecord(name="t", namespace="n", queue="q",
                                                                 owner_uid="u")))).held_by_pod == ""
@@ -76,7 +82,9 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
 @given(st.dictionaries(st.text(), _json, max_size=6))
 def test_whatever_a_status_holds_comes_back_as_it_was(status: dict[str, object]) -> None:
     task = {**_task({"i": 1}), "status": status}
-    assert slim(task).json()["status"] == status
+    kept = slim(task)
+    kept.cool()
+    assert kept.json()["status"] == status
 
 
 def test_a_finished_task_deflates_to_a_fraction_of_its_json() -> None:
@@ -91,5 +99,21 @@ def test_a_finished_task_deflates_to_a_fraction_of_its_json() -> None:
     status = projection.project(task, closed, old=models.TaskStatus(), now=AT)
     task["status"] = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     kept = slim(task)
+    kept.cool()
     assert kept.json()["status"] == task["status"]
     assert len(kept.packed) < len(json.dumps(kept.json(), separators=(",", ":"))) / 5
+
+
+def test_the_store_keeps_its_last_objects_warm_and_cools_the_one_before() -> None:
+    warm = Warm(2)
+    a, b, c, a2 = (slim(_task({"i": i})) for i in range(4))
+    warm.add("a", a)
+    warm.add("b", b)
+    warm.add("a", a2)  # a replaced: only what the store holds is ever cooled
+    warm.add("c", c)  # three held: the coldest, b, is cooled
+    assert [x.warm is None for x in (a, b, c, a2)] == [False, True, False, False]
+    warm.discard("a")  # deleted: never cooled
+    warm.add("d", slim(_task({"i": 5})))
+    assert a2.warm is not None and c.warm is not None
+    warm.add("e", slim(_task({"i": 6})))
+    assert c.warm is None and c.json()["spec"]["queue"] == "q"

@@ -8,6 +8,10 @@ same holds for a Lease decoded into a `LeaseRecord` (datetimes, pydantic attempt
 are inflated only when their task is reconciled (`make bench` and `python -m
 tasklease_dev.opmem` measure the operator's memory at depth). The dictionaries live in this
 process only: what they contain changes how small an object gets, never what comes back.
+
+An object arrives warm, as read, and is deflated (`cool`) only when the store has many
+warmer ones (`Warm`): a task at work changes several times in a second, and each of its
+events and reconciles would otherwise deflate or inflate it again.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from __future__ import annotations
 import json
 import sys
 import zlib
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
+from typing import Protocol
 from datetime import UTC, datetime
 
 from tasklease.api import models
@@ -93,17 +100,25 @@ _LEASES = _Packer(*_common_lease())
 @dataclass(slots=True)
 class SlimTask:
     """One Task as the reconciler keeps it: the fields read without reconciling it (they
-    feed the metrics and order its versions), and the rest deflated."""
+    feed the metrics and order its versions), and the rest, warm or deflated."""
 
     queue: str
     created: str  # metadata.creationTimestamp
     version: int  # metadata.resourceVersion (`version`)
-    packed: bytes
+    warm: JSON | None  # the rest as read, until `cool`
+    packed: bytes = b""  # the rest deflated, once cool
     projected: tuple[str, str] | None = None  # (queue, phase) as last projected, for the gauges
     key: tuple[str, str] | None = None  # (namespace, name): the store's one tuple for the task and its Lease
 
     def json(self) -> JSON:
-        return _TASKS.unpack(self.packed)
+        """The Task as kept: while warm, the one dict every reader shares (read it, never change it)."""
+        warm = self.warm  # `cool` sets `packed` before it drops `warm`: another thread may be here
+        return warm if warm is not None else _TASKS.unpack(self.packed)
+
+    def cool(self) -> None:
+        if self.warm is not None:
+            self.packed = _TASKS.pack(self.warm)
+            self.warm = None
 
 
 def slim(task: JSON) -> SlimTask:
@@ -114,13 +129,12 @@ def slim(task: JSON) -> SlimTask:
     spec: JSON = task.get("spec") or {}
     if models.payload_depth(spec.get("payload")) <= models.MAX_PAYLOAD_DEPTH:
         spec = {k: v for k, v in spec.items() if k != "payload"}
-    packed = _TASKS.pack({"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
-                          "metadata": {k: meta[k] for k in KEPT_METADATA if k in meta}, "spec": spec,
-                          "status": task.get("status")})
+    kept = {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
+            "metadata": {k: meta[k] for k in KEPT_METADATA if k in meta}, "spec": spec, "status": task.get("status")}
     # Interned: thousands of Tasks share a queue and a creation second.
     return SlimTask(queue=sys.intern(str(spec.get("queue", ""))),
                     created=sys.intern(str(meta.get("creationTimestamp", ""))),
-                    version=version(str(meta.get("resourceVersion", ""))), packed=packed)
+                    version=version(str(meta.get("resourceVersion", ""))), warm=kept)
 
 
 def version(resource_version: str) -> int:
@@ -131,21 +145,50 @@ def version(resource_version: str) -> int:
 @dataclass(slots=True)
 class SlimLease:
     """One Lease as the reconciler keeps it: what a Pod's deletion and a write's race are
-    decided with, and the Lease as it was read, deflated."""
+    decided with, and the Lease as it was read, warm (decoded) or deflated."""
 
     held_by_pod: str  # the holder's Pod while held, else ""
     resource_version: str
-    packed: bytes
+    warm: LeaseRecord | None  # until `cool`
+    packed: bytes = b""  # once cool
     key: tuple[str, str] | None = None  # as `SlimTask.key`
 
     def record(self) -> LeaseRecord:
-        return record.decode(_LEASES.unpack(self.packed))
+        warm = self.warm  # as in `SlimTask.json`
+        return warm if warm is not None else record.decode(_LEASES.unpack(self.packed))
+
+    def cool(self) -> None:
+        """Deflated, without what it does not decide with (`rec.raw`'s other fields)."""
+        if self.warm is not None:
+            meta = self.warm.raw.get("metadata") or {}
+            self.packed = _LEASES.pack({"metadata": {k: meta[k] for k in KEPT_LEASE_METADATA if k in meta},
+                                        "spec": self.warm.raw.get("spec") or {}})
+            self.warm = None
 
 
 def slim_lease(rec: LeaseRecord) -> SlimLease:
-    """`rec` as read from the API server (`rec.raw`), without what it does not decide with."""
-    meta = rec.raw.get("metadata") or {}
-    packed = _LEASES.pack({"metadata": {k: meta[k] for k in KEPT_LEASE_METADATA if k in meta},
-                           "spec": rec.raw.get("spec") or {}})
+    """`rec` as read from the API server (`rec.raw`), warm."""
     return SlimLease(held_by_pod=rec.holder_pod if rec.state == record.HELD else "",
-                     resource_version=rec.resource_version, packed=packed)
+                     resource_version=rec.resource_version, warm=rec)
+
+
+class _Coolable(Protocol):
+    def cool(self) -> None: ...
+
+
+class Warm:
+    """The objects last stored, at most `size`, kept warm; the one stored before them is
+    cooled. One that was replaced is simply dropped (only what the store holds is cooled)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._held: OrderedDict[Hashable, _Coolable] = OrderedDict()
+
+    def add(self, key: Hashable, obj: _Coolable) -> None:
+        self._held[key] = obj
+        self._held.move_to_end(key)
+        if len(self._held) > self._size:
+            self._held.popitem(last=False)[1].cool()
+
+    def discard(self, key: Hashable) -> None:
+        self._held.pop(key, None)

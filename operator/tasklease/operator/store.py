@@ -6,7 +6,8 @@ queues them. The reconciler reads `entry` (a task and its Lease, as one consiste
 and `observed` (what our own clocks saw of that Lease, for `decision`), and hands back what
 it wrote (`remember`, `wrote_task`) and what it projected (`projected`).
 
-- Kept slim (`slim.SlimTask`, `slim.SlimLease`): memory per task is what decisions need.
+- Kept slim (`slim.SlimTask`, `slim.SlimLease`): memory per task is what decisions need; the
+  last `_WARM` of each kind stored are kept as read (`slim.Warm`), the rest deflated.
 - A version no newer than the one held is ignored: a list that outlived its snapshot replays
   older news of objects it listed later, and a seeding list can lag the watch. Versions
   are compared as the API server makes them (etcd revisions, increasing across every
@@ -35,7 +36,7 @@ from tasklease.kube import JSON
 from tasklease.operator import decision, metrics, timeouts
 from tasklease.operator.claimable import Waits
 from tasklease.operator.expiry import LeaseClock, Monotonic, PodsGone
-from tasklease.operator.slim import SlimLease, SlimTask, slim, slim_lease, version
+from tasklease.operator.slim import SlimLease, SlimTask, Warm, slim, slim_lease, version
 from tasklease.protocol import LeaseRecord, TaskView, record
 
 log = logging.getLogger("tasklease.operator")
@@ -45,6 +46,9 @@ Where = tuple[str, str]  # (namespace, queue)
 _TERMINATED_POD_PHASES = ("Succeeded", "Failed")
 # A gone Pod is remembered this long (longer than any lease duration), then forgotten.
 _POD_MEMORY_S = 2 * 3600.0
+# Tasks (and as many Leases) kept warm: more than the tasks a busy queue changes between
+# two reconciles of one of them.
+_WARM = 1024
 
 
 class Store:
@@ -56,6 +60,7 @@ class Store:
         self.late_clock = late_clock
         self._tasks: dict[Key, SlimTask] = {}
         self._leases: dict[Key, SlimLease] = {}
+        self._warm_tasks, self._warm_leases = Warm(_WARM), Warm(_WARM)
         self._sightings: dict[Key, decision.Sighting] = {}
         self._reported: dict[Key, tuple[int, frozenset[str]]] = {}  # (epoch, what) an Event was posted for
         self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
@@ -100,6 +105,7 @@ class Store:
             held = self._tasks.get(key)
             if entry is None:
                 self._tasks.pop(key, None)
+                self._warm_tasks.discard(key)
                 if held is not None:
                     self._set_phase(key, held, None)
                 return key, True
@@ -109,6 +115,7 @@ class Store:
                 entry.projected = held.projected
             entry.key = self._shared(key)
             self._tasks[entry.key] = entry
+            self._warm_tasks.add(entry.key, entry)
             where = (key[0], entry.queue)
             if where not in self._queues:
                 self._queues.add(where)
@@ -245,12 +252,14 @@ class Store:
             if self._tasks.get(key) is entry:
                 kept.projected, kept.key = entry.projected, entry.key
                 self._tasks[key] = kept
+                self._warm_tasks.add(key, kept)
 
     def task_gone(self, key: Key, entry: SlimTask) -> None:
         """The Task `entry` held was not found (a relist may not report it as deleted): forget it."""
         with self._lock:
             if self._tasks.get(key) is entry:
                 self._tasks.pop(key)
+                self._warm_tasks.discard(key)
                 self._set_phase(key, entry, None)
 
     def projected(self, key: Key, queue: str, view: TaskView, rec: LeaseRecord | None, *, phase: Phase,
@@ -297,6 +306,7 @@ class Store:
         lease = slim_lease(rec)
         lease.key = self._shared(key)
         self._leases[lease.key] = lease
+        self._warm_leases.add(lease.key, lease)
         before = self._sightings.get(key)
         if before is None or (before.epoch, before.state) != (rec.epoch, rec.state):
             if rec.state == record.CLOSED:
@@ -316,6 +326,7 @@ class Store:
 
     def _forget_lease(self, key: Key) -> None:
         self._leases.pop(key, None)
+        self._warm_leases.discard(key)
         self._sightings.pop(key, None)
         self._reported.pop(key, None)
         self._lease_clock.forget(key)
