@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tasklease.api import models
 from tasklease.operator import projection
-from tasklease.operator.slim import Warm, slim, slim_lease
+from tasklease.operator.slim import SlimTask, Warm, slim, slim_lease
 from tasklease.protocol import LeaseRecord, record
 
 pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
@@ -104,16 +104,26 @@ def test_a_finished_task_deflates_to_a_fraction_of_its_json() -> None:
     assert len(kept.packed) < len(json.dumps(kept.json(), separators=(",", ":"))) / 5
 
 
-def test_the_store_keeps_its_last_objects_warm_and_cools_the_one_before() -> None:
-    warm = Warm(2)
+def test_the_store_keeps_its_last_objects_warm_and_says_which_must_cool() -> None:
+    warm = Warm[SlimTask](2)
     a, b, c, a2 = (slim(_task({"i": i})) for i in range(4))
-    warm.add("a", a)
-    warm.add("b", b)
-    warm.add("a", a2)  # a replaced: only what the store holds is ever cooled
-    warm.add("c", c)  # three held: the coldest, b, is cooled
-    assert [x.warm is None for x in (a, b, c, a2)] == [False, True, False, False]
+    assert warm.add("a", a) is None and warm.add("b", b) is None
+    assert warm.add("a", a2) is None  # a replaced: only what the store holds is ever cooled
+    assert warm.add("c", c) is b  # three held: the coldest must cool
     warm.discard("a")  # deleted: never cooled
-    warm.add("d", slim(_task({"i": 5})))
-    assert a2.warm is not None and c.warm is not None
-    warm.add("e", slim(_task({"i": 6})))
+    assert warm.add("d", slim(_task({"i": 5}))) is None
+    assert warm.add("e", slim(_task({"i": 6}))) is c
+    c.cool()
     assert c.warm is None and c.json()["spec"]["queue"] == "q"
+
+
+def test_a_task_whose_payload_is_kept_is_never_kept_as_read() -> None:
+    """A payload nested too deeply may be huge: the store's warm Tasks must not hold it."""
+    deep: dict[str, object] = {}
+    inner = deep
+    for _ in range(models.MAX_PAYLOAD_DEPTH + 1):
+        inner["a"] = {"pad": "x" * 1000}
+        inner = inner["a"]  # type: ignore[assignment]
+    kept = slim(_task(deep))
+    assert kept.warm is None and kept.packed
+    assert slim(_task({"i": 1})).warm is not None

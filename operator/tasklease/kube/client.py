@@ -284,7 +284,7 @@ class Kube:
                     for line in lines:
                         if line.strip():
                             yield decode.loads(line)
-            ended = hangup is None or not hangup.hung_up  # a hangup's end leaves its socket shut
+            ended = True
         except TimeoutError as exc:
             if initial_events:  # a list cut short, not a quiet watch
                 raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
@@ -297,11 +297,10 @@ class Kube:
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None
         finally:
             if hangup is not None:
-                hangup._detach()
-            if not ended:
-                # Left before the server ended it (the reader stopped, or the read failed): the
-                # rest of the stream is still coming on this connection, which no other
-                # request may reuse.
+                hangup._detach()  # from here on, a hangup cannot shut this connection
+            if not ended or (hangup is not None and hangup.hung_up):
+                # Left before the server ended it (the reader stopped, or the read failed), or
+                # shut down by a hangup: no other request may use this connection.
                 resp.close()
             resp.release_conn()
 

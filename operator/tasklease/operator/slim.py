@@ -22,7 +22,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 from datetime import UTC, datetime
 
 from tasklease.api import models
@@ -132,9 +132,12 @@ def slim(task: JSON) -> SlimTask:
     kept = {"apiVersion": task.get("apiVersion"), "kind": task.get("kind"),
             "metadata": {k: meta[k] for k in KEPT_METADATA if k in meta}, "spec": spec, "status": task.get("status")}
     # Interned: thousands of Tasks share a queue and a creation second.
-    return SlimTask(queue=sys.intern(str(spec.get("queue", ""))),
-                    created=sys.intern(str(meta.get("creationTimestamp", ""))),
-                    version=version(str(meta.get("resourceVersion", ""))), warm=kept)
+    entry = SlimTask(queue=sys.intern(str(spec.get("queue", ""))),
+                     created=sys.intern(str(meta.get("creationTimestamp", ""))),
+                     version=version(str(meta.get("resourceVersion", ""))), warm=kept)
+    if "payload" in spec:
+        entry.cool()  # nested too deeply, and perhaps huge: never kept as read
+    return entry
 
 
 def version(resource_version: str) -> int:
@@ -176,19 +179,23 @@ class _Coolable(Protocol):
     def cool(self) -> None: ...
 
 
-class Warm:
-    """The objects last stored, at most `size`, kept warm; the one stored before them is
-    cooled. One that was replaced is simply dropped (only what the store holds is cooled)."""
+C = TypeVar("C", bound=_Coolable)
+
+
+class Warm(Generic[C]):
+    """The objects last stored, at most `size`, kept warm; the one stored before them is to
+    cool. One that was replaced is simply dropped (only what the store holds is cooled)."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._held: OrderedDict[Hashable, _Coolable] = OrderedDict()
+        self._held: OrderedDict[Hashable, C] = OrderedDict()
 
-    def add(self, key: Hashable, obj: _Coolable) -> None:
+    def add(self, key: Hashable, obj: C) -> C | None:
+        """Keep `obj` warm; the one that must cool now, if any (the caller cools it, once
+        outside its lock)."""
         self._held[key] = obj
         self._held.move_to_end(key)
-        if len(self._held) > self._size:
-            self._held.popitem(last=False)[1].cool()
+        return self._held.popitem(last=False)[1] if len(self._held) > self._size else None
 
     def discard(self, key: Hashable) -> None:
         self._held.pop(key, None)

@@ -48,7 +48,7 @@ _TERMINATED_POD_PHASES = ("Succeeded", "Failed")
 _POD_MEMORY_S = 2 * 3600.0
 # Tasks (and as many Leases) kept warm: more than the tasks a busy queue changes between
 # two reconciles of one of them.
-_WARM = 1024
+_WARM = 256
 
 
 class Store:
@@ -60,7 +60,7 @@ class Store:
         self.late_clock = late_clock
         self._tasks: dict[Key, SlimTask] = {}
         self._leases: dict[Key, SlimLease] = {}
-        self._warm_tasks, self._warm_leases = Warm(_WARM), Warm(_WARM)
+        self._warm_tasks, self._warm_leases = Warm[SlimTask](_WARM), Warm[SlimLease](_WARM)
         self._sightings: dict[Key, decision.Sighting] = {}
         self._reported: dict[Key, tuple[int, frozenset[str]]] = {}  # (epoch, what) an Event was posted for
         self._pods_gone: PodsGone[Key] = PodsGone(monotonic, memory_s=_POD_MEMORY_S)  # deleted or terminated Pods
@@ -115,11 +115,12 @@ class Store:
                 entry.projected = held.projected
             entry.key = self._shared(key)
             self._tasks[entry.key] = entry
-            self._warm_tasks.add(entry.key, entry)
+            cooling = self._warm_tasks.add(entry.key, entry)
             where = (key[0], entry.queue)
             if where not in self._queues:
                 self._queues.add(where)
                 metrics.known_queue(*where)
+        _cool(cooling)
         return key, True
 
     def lease_event(self, kind: str, obj: JSON, rec: LeaseRecord | None) -> Key | None:
@@ -146,7 +147,8 @@ class Store:
                 log.warning("lease %s/%s: ignoring what cannot be read of it (%s)", *key, ", ".join(rec.malformed))
                 for reason in rec.malformed:
                     metrics.MALFORMED.labels("Lease", reason).inc()
-            self._cache(key, rec)
+            cooling = self._cache(key, rec)
+        _cool(cooling)
         return key
 
     def pod_event(self, kind: str, obj: JSON) -> list[Key]:
@@ -239,20 +241,24 @@ class Store:
         """Our own write of a Lease, unless the watch already brought something newer (say,
         the next claim): that must keep its own observation time, or it would never expire."""
         key = (after.namespace, after.name)
+        cooling = None
         with self._lock:
             current = self._leases.get(key)
             if current is None or before is None or current.resource_version == before.resource_version:
-                self._cache(key, after)
+                cooling = self._cache(key, after)
+        _cool(cooling)
 
     def wrote_task(self, key: Key, entry: SlimTask, written: JSON) -> None:
         """Our own status write of the Task `entry` held: kept only if no event replaced
         `entry` meanwhile (a cancel made right after our write must not be hidden by it)."""
         kept = slim(written)
+        cooling = None
         with self._lock:
             if self._tasks.get(key) is entry:
                 kept.projected, kept.key = entry.projected, entry.key
                 self._tasks[key] = kept
-                self._warm_tasks.add(key, kept)
+                cooling = self._warm_tasks.add(key, kept)
+        _cool(cooling)
 
     def task_gone(self, key: Key, entry: SlimTask) -> None:
         """The Task `entry` held was not found (a relist may not report it as deleted): forget it."""
@@ -302,11 +308,12 @@ class Store:
                 return held.key
         return key
 
-    def _cache(self, key: Key, rec: LeaseRecord) -> None:
+    def _cache(self, key: Key, rec: LeaseRecord) -> SlimLease | None:
+        """Caller holds the lock. What must cool now (`_cool`, once the lock is released)."""
         lease = slim_lease(rec)
         lease.key = self._shared(key)
         self._leases[lease.key] = lease
-        self._warm_leases.add(lease.key, lease)
+        cooling = self._warm_leases.add(lease.key, lease)
         before = self._sightings.get(key)
         if before is None or (before.epoch, before.state) != (rec.epoch, rec.state):
             if rec.state == record.CLOSED:
@@ -323,6 +330,7 @@ class Store:
             self._lease_clock.observe(key, rec.resource_version)
         else:
             self._lease_clock.forget(key)
+        return cooling
 
     def _forget_lease(self, key: Key) -> None:
         self._leases.pop(key, None)
@@ -341,6 +349,13 @@ class Store:
             metrics.TASKS.labels(key[0], *before).dec()
         if value is not None:
             metrics.TASKS.labels(key[0], *value).inc()
+
+
+def _cool(obj: SlimTask | SlimLease | None) -> None:
+    """Deflate what the store stopped keeping warm, outside its lock: deflating takes longer
+    than anything done under it."""
+    if obj is not None:
+        obj.cool()
 
 
 def _older(incoming: int, held: int) -> bool:
