@@ -43,13 +43,18 @@ def test_a_task_comes_back_with_what_decisions_read_and_without_its_payload() ->
     assert len(kept.packed) < len(json.dumps(back)) / 2
 
 
-def test_a_payload_nested_too_deeply_is_kept_so_the_operator_can_fail_the_task() -> None:
+def _too_deep(**level: object) -> dict[str, object]:
+    """A payload nested one level deeper than a Task may hold, each level holding `level` too."""
     deep: dict[str, object] = {}
     inner = deep
     for _ in range(models.MAX_PAYLOAD_DEPTH + 1):
-        inner["a"] = {}
+        inner["a"] = dict(level)
         inner = inner["a"]  # type: ignore[assignment]
-    assert models.payload_depth(slim(_task(deep)).json()["spec"]["payload"]) > models.MAX_PAYLOAD_DEPTH
+    return deep
+
+
+def test_a_payload_nested_too_deeply_is_kept_so_the_operator_can_fail_the_task() -> None:
+    assert models.payload_depth(slim(_task(_too_deep())).json()["spec"]["payload"]) > models.MAX_PAYLOAD_DEPTH
 
 
 def test_a_lease_decodes_to_the_same_record_with_its_uid() -> None:
@@ -119,11 +124,6 @@ def test_the_store_keeps_its_last_objects_warm_and_says_which_must_cool() -> Non
 
 def test_a_task_whose_payload_is_kept_is_never_kept_as_read() -> None:
     """A payload nested too deeply may be huge: the store's warm Tasks must not hold it."""
-    deep: dict[str, object] = {}
-    inner = deep
-    for _ in range(models.MAX_PAYLOAD_DEPTH + 1):
-        inner["a"] = {"pad": "x" * 1000}
-        inner = inner["a"]  # type: ignore[assignment]
-    kept = slim(_task(deep))
+    kept = slim(_task(_too_deep(pad="x" * 1000)))
     assert kept.warm is None and kept.packed
     assert slim(_task({"i": 1})).warm is not None

@@ -22,8 +22,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
-from typing import Generic, Protocol, TypeVar
 from datetime import UTC, datetime
+from typing import Generic, Protocol, TypeVar
 
 from tasklease.api import models
 from tasklease.kube import JSON
