@@ -312,3 +312,41 @@ def test_the_agents_task_watch_gets_a_finished_task_as_the_status_write_and_tell
     wide = [(kind, name) for selector, kind, name in raw if selector == queue_selector("wide") and kind != "BOOKMARK"]
     assert wide[:3] == [("MODIFIED", "w-a"), ("ADDED", "w-c"), ("MODIFIED", "w-a")]
     assert reflector.lists == 1 and reflector.watches == 2  # the streaming list, then the wider watch
+
+
+def test_a_busy_watch_is_read_in_batches_and_an_event_after_a_quiet_spell_at_once(
+        kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`batch_s`: the reader waits only when nothing more has arrived, after an event, never
+    before one: a burst costs a few wake-ups, and a lone event is not delayed."""
+    batch_s = 0.3
+    waits: list[float] = []  # each batching wait, counted once it is over
+    sleep = client.time.sleep
+
+    def counted(seconds: float) -> None:
+        sleep(seconds)
+        if seconds == batch_s:
+            waits.append(seconds)
+    monkeypatch.setattr(client.time, "sleep", counted)
+    version = kube.list(LEASES, label_selector="test=batch")["metadata"]["resourceVersion"]
+    seen: list[tuple[str, int]] = []  # (name, waits over when it was read)
+
+    def read() -> None:
+        for event in kube.watch(LEASES, namespace=kube.namespace, resource_version=version,
+                                label_selector="test=batch", timeout_s=60, batch_s=batch_s):
+            if event["type"] == "ADDED":
+                seen.append((event["object"]["metadata"]["name"], len(waits)))
+                if seen[-1][0] == "lone":
+                    return
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    burst = [f"b-{i:02d}" for i in range(20)]
+    for name in burst:
+        kube.create(LEASES, lease(name, "batch"))
+    wait_for(lambda: len(seen) == len(burst), message="every event of the burst")
+    wait_for(lambda: len(waits) > seen[-1][1], message="the wait after the burst to be over")
+    before = len(waits)  # the reader is blocked reading now: the next event ends its read
+    kube.create(LEASES, lease("lone", "batch"))
+    reader.join(30)
+    assert [name for name, _ in seen] == [*burst, "lone"]
+    assert len({w for _, w in seen[:len(burst)]}) < len(burst) / 2  # read in a few batches, not one by one
+    assert seen[-1][1] == before  # no wait before the lone event

@@ -50,6 +50,10 @@ _EXPIRED = "Expired"  # the outcome of an attempt whose holder the operator foun
 _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
+# Every agent of a queue reads every event of its Tasks: one that arrives after a quiet spell
+# is read at once, the ones close behind it together, after this long (`Kube.watch`). News
+# that late costs at most a lost race: every claim is checked against the task's Lease.
+_TASK_BATCH_S = 0.1
 
 
 def queue_selector(queue: str) -> str:
@@ -138,7 +142,7 @@ class QueueView:
         self._reflectors = [
             Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
                       watch_field_selector=queue_selector(queue), listener=self._on_task,
-                      keep_objects=False, known=self._tasks.keys, watch_list=True),
+                      keep_objects=False, known=self._tasks.keys, watch_list=True, batch_s=_TASK_BATCH_S),
             Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
                       listener=self._on_lease, keep_objects=False),
             Reflector(kube, LEASES, namespace=namespace, label_selector=members.selector(queue),

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -255,13 +257,17 @@ class Kube:
     def watch(self, res: Resource, *, namespace: str | None, resource_version: str,
               label_selector: str = "", field_selector: str = "", timeout_s: int = 300,
               initial_events: bool = False, hangup: Hangup | None = None,
-              quiet_s: float = _WATCH_READ_TIMEOUT_S) -> Iterator[JSON]:
+              quiet_s: float = _WATCH_READ_TIMEOUT_S, batch_s: float = 0.0) -> Iterator[JSON]:
         """Stream watch events from `resource_version` until the server closes the stream. With
         `initial_events`, the stream starts with an ADDED event for every selected object as of
         a version not older than `resource_version` ("0": any the server's watch cache has),
         then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`).
         `hangup`: another thread's way to end it at once (then it ends as if the server had).
-        `quiet_s`: it ends too after that long without a byte (`timeout_s` is whole seconds)."""
+        `quiet_s`: it ends too after that long without a byte (`timeout_s` is whole seconds).
+        `batch_s`: when nothing more has arrived, wait that long before reading on, so that
+        the events of a busy stream are read a batch per wake-up of this thread instead of one
+        each (an event alone arrives at once: the wait comes after it). Every process that
+        watches a busy resource pays a wake-up per read."""
         query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
         if initial_events:
@@ -276,8 +282,14 @@ class Kube:
         ended = False
         if hangup is not None:
             hangup._attach(resp)
+        sock = getattr(getattr(resp, "connection", None), "sock", None) if batch_s else None
         try:
-            while chunk := raw.read1(_WATCH_READ_BYTES):
+            while True:
+                if sock is not None and not _arrived(sock):
+                    time.sleep(batch_s)
+                chunk = raw.read1(_WATCH_READ_BYTES)
+                if not chunk:
+                    break
                 buffer += chunk
                 if b"\n" in chunk:
                     *lines, buffer = buffer.split(b"\n")
@@ -303,6 +315,12 @@ class Kube:
                 # shut down by a hangup: no other request may use this connection.
                 resp.close()
             resp.release_conn()
+
+
+def _arrived(sock: socket.socket) -> bool:
+    """Whether a read of `sock` would return at once: TLS has bytes decrypted, or the kernel has some."""
+    pending = getattr(sock, "pending", None)  # TLS only
+    return bool(pending is not None and pending()) or bool(select.select([sock], [], [], 0)[0])
 
 
 def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:

@@ -58,6 +58,7 @@ class Reflector:
     is then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
     as a streaming list (see the module), `pages` counting every `page_size` objects.
+    `batch_s`: the watch reads a busy stream a batch at a time (`Kube.watch`).
 
     `watch_field_selector`: the watch that follows a list selects with it, a superset of
     `field_selector`, which the reflector then applies itself: an object that stops matching
@@ -70,7 +71,7 @@ class Reflector:
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
                  keep_objects: bool = True, known: Callable[[], Collection[str]] | None = None,
                  page_size: int = 500, since: str = "", watch_list: bool = False,
-                 watch_field_selector: str = "") -> None:
+                 watch_field_selector: str = "", batch_s: float = 0.0) -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -84,6 +85,7 @@ class Reflector:
         self.known = known
         self.page_size = page_size
         self.watch_list = watch_list
+        self.batch_s = batch_s
         self.store: dict[str, JSON | tuple[str, str]] = {}
         self.synced = threading.Event()
         self.error: Exception | None = None  # the last failure, until the next success
@@ -208,7 +210,7 @@ class Reflector:
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
                                      label_selector=self.label_selector, field_selector=self.field_selector,
                                      timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True,
-                                     hangup=self._hangup):
+                                     hangup=self._hangup, batch_s=self.batch_s):
             if self._stop.is_set():
                 return bool(self._rv)
             kind, obj = event["type"], event["object"]
@@ -249,7 +251,7 @@ class Reflector:
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
                                      label_selector=self.label_selector, field_selector=self.watch_field_selector,
-                                     timeout_s=self.watch_timeout_s, hangup=self._hangup):
+                                     timeout_s=self.watch_timeout_s, hangup=self._hangup, batch_s=self.batch_s):
             if self._stop.is_set():
                 return
             self._event(event["type"], event["object"])
