@@ -51,8 +51,9 @@ _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
 # Every agent of a queue reads every event of its Tasks: one that arrives after a quiet spell
-# is read at once, the ones close behind it together, after this long (`Kube.watch`). News
-# that late costs at most a lost race: every claim is checked against the task's Lease.
+# is read at once, the ones close behind it, each at most this late, together (`Kube.watch`).
+# A claim made on older news may lose a race (each is checked against the task's Lease); a
+# holder hears of its task's cancel or ended attempt that much later.
 _TASK_BATCH_S = 0.1
 
 

@@ -264,10 +264,11 @@ class Kube:
         then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`).
         `hangup`: another thread's way to end it at once (then it ends as if the server had).
         `quiet_s`: it ends too after that long without a byte (`timeout_s` is whole seconds).
-        `batch_s`: when nothing more has arrived, wait that long before reading on, so that
-        the events of a busy stream are read a batch per wake-up of this thread instead of one
-        each (an event alone arrives at once: the wait comes after it). Every process that
-        watches a busy resource pays a wake-up per read."""
+        `batch_s`: between two events, when nothing more has arrived, wait that long before
+        reading on, at most once per `batch_s`: the events of a busy stream are read a batch per
+        wake-up of this thread instead of one each (every process that watches a busy resource
+        pays a wake-up per read), none later than `batch_s` after it arrived, and one after a
+        quiet spell at once (the reader waits in its read then, not in a pause)."""
         query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
         if initial_events:
@@ -283,10 +284,14 @@ class Kube:
         if hangup is not None:
             hangup._attach(resp)
         sock = getattr(getattr(resp, "connection", None), "sock", None) if batch_s else None
+        rested = time.monotonic() - batch_s
         try:
             while True:
-                if sock is not None and not _arrived(sock):
+                # Never inside an event, and once per `batch_s` at most: the socket does not show
+                # what http.client has read ahead, events that one wait must not delay again.
+                if sock is not None and not buffer and time.monotonic() - rested >= batch_s and not _arrived(sock):
                     time.sleep(batch_s)
+                    rested = time.monotonic()
                 chunk = raw.read1(_WATCH_READ_BYTES)
                 if not chunk:
                     break
@@ -318,9 +323,14 @@ class Kube:
 
 
 def _arrived(sock: socket.socket) -> bool:
-    """Whether a read of `sock` would return at once: TLS has bytes decrypted, or the kernel has some."""
+    """Whether a read of `sock` would return at once: TLS has bytes decrypted, or the kernel
+    has some (True where that cannot be asked: no wait then)."""
     pending = getattr(sock, "pending", None)  # TLS only
-    return bool(pending is not None and pending()) or bool(select.select([sock], [], [], 0)[0])
+    if (pending is not None and pending()) or not hasattr(select, "poll"):
+        return True
+    poller = select.poll()  # not select(): it fails on descriptors past 1023
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:

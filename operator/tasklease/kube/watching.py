@@ -58,7 +58,8 @@ class Reflector:
     is then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
     as a streaming list (see the module), `pages` counting every `page_size` objects.
-    `batch_s`: the watch reads a busy stream a batch at a time (`Kube.watch`).
+    `batch_s`: the watch after the list reads a busy stream a batch at a time, each event up
+    to `batch_s` late (`Kube.watch`); a list is read as fast as it comes.
 
     `watch_field_selector`: the watch that follows a list selects with it, a superset of
     `field_selector`, which the reflector then applies itself: an object that stops matching
@@ -210,7 +211,7 @@ class Reflector:
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
                                      label_selector=self.label_selector, field_selector=self.field_selector,
                                      timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True,
-                                     hangup=self._hangup, batch_s=self.batch_s):
+                                     hangup=self._hangup):
             if self._stop.is_set():
                 return bool(self._rv)
             kind, obj = event["type"], event["object"]
