@@ -114,6 +114,7 @@ def test_the_scaled_object_is_opt_in_and_valid_for_kedas_crd(cluster: Cluster, n
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 4)
     trigger = spec["triggers"][0]
     assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "2"
+    assert trigger["metadata"]["ignoreNullValues"] == "false"  # no operator metrics: an error, not zero
     assert f'tasklease_claimable_tasks{{namespace="{namespace}",queue="emails"}}' in trigger["metadata"]["query"]
 
     # The check is real: KEDA's schema refuses what it does not know and what has the wrong type.
@@ -133,39 +134,54 @@ def test_the_chart_refuses_more_minimum_than_maximum_replicas() -> None:
     assert done.returncode != 0 and "keda.minReplicas must not exceed keda.maxReplicas" in done.stderr
 
 
+class _Scaled:
+    """The example agents' Deployment at zero replicas, scaled by the chart's ScaledObject whose
+    trigger queries a real Prometheus scraping `operator`, polled every second."""
+
+    def __init__(self, cluster: Cluster, namespace: str, operator: Operator, keda: Keda, tmp_path: Path) -> None:
+        self.kube, self.keda = cluster.kube(namespace), keda
+        agents = yaml.safe_load((ROOT / "examples" / "agent-deployment.yaml").read_text())
+        agents["spec"]["replicas"] = 0
+        self.kube.create(DEPLOYMENTS, agents)
+        self.name = agents["metadata"]["name"]
+        self.prometheus = Prometheus(tmp_path, operator.port)
+        try:
+            wait_for(lambda: self.prometheus.values("tasklease_build_info") != [], timeout=60,
+                     message=f"Prometheus scraping the operator; log:\n{self.prometheus.output()[-2000:]}")
+            scaled = _scaled_object(namespace, f"keda.queue={QUEUE}", "keda.pollingInterval=1",
+                                    "keda.cooldownPeriod=1", f"keda.prometheusAddress=http://127.0.0.1:{self.prometheus.port}")
+            assert scaled["spec"]["scaleTargetRef"]["name"] == self.name
+            cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(scaled))
+            # KEDA has polled the trigger (Ready) and found no work (not Active): the agents stay at zero.
+            wait_for(lambda: self.condition("Ready") == "True" and self.condition("Active") == "False", timeout=60,
+                     message=f"KEDA taking the ScaledObject on; its log:\n{keda.output()[-3000:]}")
+            assert self.replicas() == 0
+        except BaseException:
+            self.prometheus.stop()
+            raise
+
+    def replicas(self) -> int:
+        return int(self.kube.get(DEPLOYMENTS, self.name)["spec"]["replicas"])
+
+    def condition(self, kind: str, field: str = "status") -> str | None:
+        found = self.kube.get(SCALEDOBJECTS, self.name).get("status", {}).get("conditions", [])
+        return next((c.get(field) for c in found if c["type"] == kind), None)
+
+    def woken(self) -> None:
+        """A claimable task: KEDA scales the agents from zero to one."""
+        make_task(self.kube, "wake-up", queue=QUEUE)
+        wait_for(lambda: self.replicas() == 1, timeout=60,
+                 message=f"KEDA scaling the agents from zero; its log:\n{self.keda.output()[-3000:]}")
+        # KEDA writes the condition after it has scaled: under load, a moment later.
+        wait_for(lambda: self.condition("Active") == "True", timeout=30, message="KEDA's ScaledObject to say Active")
+
+
 def test_real_keda_scales_the_agents_from_zero_on_claimable_work_and_back_when_it_is_done(
         cluster: Cluster, namespace: str, operator: Operator, keda: Keda, tmp_path: Path) -> None:
-    kube = cluster.kube(namespace)
-    agents = yaml.safe_load((ROOT / "examples" / "agent-deployment.yaml").read_text())
-    agents["spec"]["replicas"] = 0
-    kube.create(DEPLOYMENTS, agents)
-    name = agents["metadata"]["name"]
-
-    def replicas() -> int:
-        return int(kube.get(DEPLOYMENTS, name)["spec"]["replicas"])
-
-    def condition(kind: str) -> str | None:
-        found = kube.get(SCALEDOBJECTS, name).get("status", {}).get("conditions", [])
-        return next((c["status"] for c in found if c["type"] == kind), None)
-
-    prometheus = Prometheus(tmp_path, operator.port)
+    scaled = _Scaled(cluster, namespace, operator, keda, tmp_path)
+    kube, replicas, prometheus = scaled.kube, scaled.replicas, scaled.prometheus
     try:
-        wait_for(lambda: prometheus.values("tasklease_build_info") != [], timeout=60,
-                 message=f"Prometheus scraping the operator; log:\n{prometheus.output()[-2000:]}")
-        scaled = _scaled_object(namespace, f"keda.queue={QUEUE}", "keda.pollingInterval=1", "keda.cooldownPeriod=1",
-                                f"keda.prometheusAddress=http://127.0.0.1:{prometheus.port}")
-        assert scaled["spec"]["scaleTargetRef"]["name"] == name
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(scaled))
-        # KEDA has polled the trigger (Ready) and found no work (not Active): the agents stay at zero.
-        wait_for(lambda: condition("Ready") == "True" and condition("Active") == "False", timeout=60,
-                 message=f"KEDA taking the ScaledObject on; its log:\n{keda.output()[-3000:]}")
-        assert replicas() == 0
-
-        make_task(kube, "wake-up", queue=QUEUE)
-        wait_for(lambda: replicas() == 1, timeout=60,
-                 message=f"KEDA scaling the agents from zero; its log:\n{keda.output()[-3000:]}")
-        # KEDA writes the condition after it has scaled: under load, a moment later.
-        wait_for(lambda: condition("Active") == "True", timeout=30, message="KEDA's ScaledObject to say Active")
+        scaled.woken()
 
         # The work done, nothing claimable or running: back to zero after the cooldown.
         config = cluster.namespaced_kubeconfig(namespace, tmp_path)
@@ -181,6 +197,23 @@ def test_real_keda_scales_the_agents_from_zero_on_claimable_work_and_back_when_i
                  message="KEDA's Events on the ScaledObject")
     finally:
         prometheus.stop()
+
+
+def test_real_keda_keeps_the_agents_it_has_when_the_operators_metrics_are_lost(
+        cluster: Cluster, namespace: str, operator: Operator, keda: Keda, tmp_path: Path) -> None:
+    scaled = _Scaled(cluster, namespace, operator, keda, tmp_path)
+    try:
+        scaled.woken()
+        operator.stop()  # its series go stale at Prometheus's next scrape: the query is empty
+        wait_for(lambda: scaled.prometheus.values("tasklease_build_info") == [], timeout=60,
+                 message="Prometheus losing the operator's metrics")
+        # The poll that finds the query empty is the one that would have scaled to zero.
+        wait_for(lambda: scaled.condition("Ready") == "False", timeout=60,
+                 message=f"KEDA reporting the trigger's error; its log:\n{keda.output()[-3000:]}")
+        assert scaled.condition("Ready", "reason") == "TriggerError"
+        assert scaled.replicas() == 1
+    finally:
+        scaled.prometheus.stop()
 
 
 def test_the_build_repeats_a_modules_replaces_of_other_versions_but_not_of_local_folders() -> None:
