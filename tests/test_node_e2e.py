@@ -564,21 +564,26 @@ def test_pod_bound_claim_survives_a_long_sleep_without_renewals(e2e: E2E) -> Non
     e2e.kubectl("delete", "pod", "pod-bound-sleeper", "-n", NS, "--grace-period=0", "--force")
 
 
-def test_pod_bound_task_is_requeued_within_a_second_of_its_pods_deletion(e2e: E2E) -> None:
+# Both requeues below must come well before the 30 s lease could lapse: a third of it is the
+# bound, so a loaded machine does not fail them; `make e2e` prints the time each took.
+POD_BOUND_LEASE_S = 30
+
+
+def test_pod_bound_task_is_requeued_on_its_pods_deletion_without_waiting_for_the_lease(e2e: E2E) -> None:
     kube = _pod_bound_ready(e2e)
-    _pod_bound_shell(e2e, kube, "pod-bound-deleted", "hold", lease_s=30)
+    _pod_bound_shell(e2e, kube, "pod-bound-deleted", "hold", lease_s=POD_BOUND_LEASE_S)
     e2e.kubectl("delete", "pod", "pod-bound-deleted", "-n", NS, "--grace-period=0", "--force")
     deleted_at = time.monotonic()
     took = _attempt_over(kube, "pod-bound-deleted", 1) - deleted_at
-    e2e.figures["pod-bound, pod deleted → requeued"] = f"{took:.2f}s (lease 30s)"
-    assert took < 1, f"{took:.2f}s from the pod's deletion to the requeue"
+    e2e.figures["pod-bound, pod deleted → requeued"] = f"{took:.2f}s (lease {POD_BOUND_LEASE_S}s)"
+    assert took < POD_BOUND_LEASE_S / 3, f"{took:.2f}s from the pod's deletion to the requeue"
     wait_for(lambda: _first_attempt(e2e, "pod-bound-deleted").get("outcome") == "Expired", timeout=30,
              interval=0.2, message="the expiry projected into the Task's status")
 
 
-def test_pod_bound_task_is_requeued_within_a_second_of_a_container_restart(e2e: E2E) -> None:
+def test_pod_bound_task_is_requeued_on_a_container_restart_without_waiting_for_the_lease(e2e: E2E) -> None:
     kube = _pod_bound_ready(e2e)
-    _pod_bound_shell(e2e, kube, "pod-bound-restarted", "wait", lease_s=30)
+    _pod_bound_shell(e2e, kube, "pod-bound-restarted", "wait", lease_s=POD_BOUND_LEASE_S)
     try:
         e2e.kubectl("exec", "-n", NS, "pod-bound-restarted", "--", "touch", "/tmp/die")
 
@@ -590,7 +595,7 @@ def test_pod_bound_task_is_requeued_within_a_second_of_a_container_restart(e2e: 
         seen_at = time.monotonic()
         took = max(_attempt_over(kube, "pod-bound-restarted", 1) - seen_at, 0.0)
         e2e.figures["pod-bound, container restarted → requeued"] = f"{took:.2f}s after the API server showed it"
-        assert took < 1, f"{took:.2f}s from the container's restart to the requeue"
+        assert took < POD_BOUND_LEASE_S / 3, f"{took:.2f}s from the container's restart to the requeue"
         first = wait_for(lambda: (a := _first_attempt(e2e, "pod-bound-restarted")).get("outcome") and a, timeout=30,
                          interval=0.2, message="the expiry projected into the Task's status")
         assert first["outcome"] == "Expired" and "container work" in first["message"], first

