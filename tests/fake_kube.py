@@ -63,7 +63,11 @@ class FakeKube:
             raise errors.NotFound(meta["name"])
         if meta.get("resourceVersion") != current["metadata"]["resourceVersion"]:
             raise errors.Conflict(meta["name"])
+        if meta.get("uid", current["metadata"].get("uid")) != current["metadata"].get("uid"):
+            raise errors.Conflict(meta["name"])  # the API server's uid precondition
         self.writes.append(("replace" + (f"/{sub}" if sub else ""), res.plural, copy.deepcopy(body)))
+        if sub == "status":  # as the API server does: all but the status is kept as stored
+            body = {**copy.deepcopy(current), "status": copy.deepcopy(body.get("status"))}
         return self.put(res, body)
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:

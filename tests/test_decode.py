@@ -46,6 +46,35 @@ def test_flatten_cuts_exactly_what_nests_deeper(value: object, depth: int) -> No
     assert models.payload_depth(cut) <= depth
 
 
+any_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                   max_size=3), max_leaves=20)
+
+
+@settings(deadline=None)  # no timing in tests: a loaded machine is slow
+@given(any_json, st.booleans(), st.integers(min_value=0, max_value=400))
+def test_loads_reads_what_json_reads(value: object, ascii_only: bool, depth: int) -> None:
+    """Whichever parser reads it (pydantic's first, json's for what that one refuses: its
+    nesting limit lies within these depths), the value is json's."""
+    text = "[" * depth + json.dumps(value, ensure_ascii=ascii_only) + "]" * depth
+    assert decode.loads(text.encode()) == json.loads(text)
+
+
+@pytest.mark.parametrize("text", ['"\\ud800"', '{"a":1,"a":2}', "\ufeff{}", "1e400"])
+def test_loads_reads_the_odd_json_as_json_does(text: str) -> None:
+    data = text.encode()
+    assert decode.loads(data) == json.loads(data)
+
+
+@pytest.mark.parametrize("data", [b'{"a":1', b"\xff", b"{}{}"])
+def test_loads_refuses_what_json_refuses_with_its_error(data: bytes) -> None:
+    with pytest.raises(ValueError) as theirs:
+        json.loads(data)
+    with pytest.raises(ValueError) as ours:
+        decode.loads(data)
+    assert (type(ours.value), str(ours.value)) == (type(theirs.value), str(theirs.value))
+
+
 def _read(data: bytes) -> object:
     """A page as `decode.loads_page` gives it, its items iterated to their end."""
     page = decode.loads_page(data)
