@@ -380,7 +380,7 @@ class Reconciler:
         # body carries only what names it and makes the write conditional (its spec would be
         # decoded and thrown away by the API server, at every status write).
         meta = task["metadata"]
-        body = {"apiVersion": task["apiVersion"], "kind": task["kind"],
+        body = {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
                 "metadata": {k: meta[k] for k in _STATUS_WRITE_METADATA if k in meta},
                 "status": new.model_dump(mode="json", by_alias=True, exclude_none=True)}
         try:
