@@ -160,7 +160,7 @@ def side_by_side(kubeconfig: Path, modes: Sequence[str], *, workers: int, tasks:
         for mode in modes:
             kube = stack.enter_context(namespace(kubeconfig))
             beside: dict[str, int] = {}
-            if mode in ("sdk", "protocol", "raw3"):  # they claim Tasks, or write their status
+            if mode in ("sdk", "protocol", "raw3", "objects3"):  # they claim Tasks, or write their status
                 create_tasks(kube, tasks, queue="bench", queues=queues)
             if mode == "sdk" and operator_on:
                 proc, port = operator(kube, kubeconfig)

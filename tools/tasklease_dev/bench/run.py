@@ -45,7 +45,7 @@ from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
 
 Results = dict[str, Any]
-SECTIONS = ("floors", "throughput", "operator-on", "operator", "recovery", "depth", "scale")
+SECTIONS = ("floors", "throughput", "operator-on", "objects", "operator", "recovery", "depth", "scale")
 # The sizes of a default run, and of a quick one.
 _SIZES = {"agents": ("1,4,8,16", "16"), "tasks": (500, 300), "pairs": (6, 2), "operator_tasks": (2000, 500),
           "depth": (30000, 3000), "cli_depth": (10000, 2000), "scale": (100000, 5000), "kills": (4, 2)}
@@ -156,6 +156,13 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
                                                    for run in runs]
         for key, per_agent in events.items():
             res[key] = statistics.median(per_agent)
+    if section("objects", f"{args.operator_tasks} tasks, 16 workers: {args.pairs} pairs of the 3-write floor's "
+                          "writes made with the product's objects (the SDK's Leases, the projected status) "
+                          "and the 3-write floor"):
+        ratios, runs = pairs(kubeconfig, "objects3", "raw3", count=args.pairs, workers=16, tasks=args.operator_tasks)
+        res["cases"]["objects-16"] = runs
+        res["objects3_vs_floor3_16_pairs"] = ratios
+        res["objects3_vs_floor3_16"] = ratio(ratios)
     if section("operator", "idle agents beside renewals; the operator at 100 tasks/s"):
         res.update(space(functools.partial(agents_at_work.renewals, kubeconfig=kubeconfig)))
         res.update(space(functools.partial(agents_at_work.operator_flow, kubeconfig=kubeconfig)))

@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tasklease.agent.sdk import Agent, Identity
-from tasklease.api import errors
+from tasklease.api import errors, models
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.watching import Reflector
+from tasklease.operator import projection
 from tasklease.protocol import Held, Protocol, TaskView
 from tasklease_dev.bench.procs import cpu_s, status_mb
 from tasklease_dev.bench.space import queue_of
@@ -31,8 +32,11 @@ Results = dict[str, Any]
 # watch ("raw3": the floor of an SDK drain with the operator on); the raw writes by workers
 # that each watch every Lease of the queue, skip what they have seen taken and try the rest
 # in an order of their own, a 409 meaning taken ("watched"); and the SDK's own Lease writes
-# (`Protocol.claim`, `complete`: labels, owner, history) the same way ("protocol").
-FLOORS = ("raw", "raw3", "watched", "protocol")
+# (`Protocol.claim`, `complete`: labels, owner, history) the same way ("protocol"). Beside
+# "raw3", the same three writes with the product's objects, still with no watch and no races
+# ("objects3"): the SDK's Lease writes, and the status the operator projects for the finished
+# task, sent as the operator sends it (what the objects cost, apart from watches and the operator).
+FLOORS = ("raw", "raw3", "watched", "protocol", "objects3")
 MODES = (*FLOORS, "sdk", "idle", "first")
 
 Take = Callable[[str], Callable[[], Any]]  # takes a task (Conflict if another worker did); returns its letting go
@@ -168,6 +172,11 @@ def _floor_writes(kube: Kube, args: argparse.Namespace) -> tuple[Take, list[str]
     if args.worker in ("raw", "raw3"):  # no races: the floor
         names = [f"t-{i:06d}" for i in range(args.index, args.tasks, args.workers)]
         return _bare_take(kube, args.index, status=args.worker == "raw3"), names, taken
+    if args.worker == "objects3":  # no races either: the same shares, read before the clock starts
+        share = {f"t-{i:06d}" for i in range(args.index, args.tasks, args.workers)}
+        tasks = {t["metadata"]["name"]: t for page in kube.list_pages(TASKS, limit=500) for t in page["items"]
+                 if t["metadata"]["name"] in share}
+        return _objects_take(kube, args.index, tasks), sorted(tasks), taken
     watch = Reflector(kube, LEASES, namespace=kube.namespace, keep_objects=False,
                       listener=lambda kind, obj: taken.add(obj["metadata"]["name"]))
     watch.start()
@@ -200,6 +209,26 @@ def _bare_take(kube: Kube, index: int, *, status: bool) -> Take:
                 kube.request("PATCH", TASKS.path(kube.namespace, name, "status"),
                              body={"status": {"phase": "Succeeded", "reason": "Completed"}},
                              content_type="application/merge-patch+json")
+        return let_go
+    return take
+
+
+def _objects_take(kube: Kube, index: int, tasks: dict[str, JSON]) -> Take:
+    protocol = Protocol(kube)
+    holder = Identity(pod=f"bench-{index}", instance=f"{os.getpid()}").holder
+
+    def take(name: str) -> Callable[[], Any]:
+        task = tasks[name]
+        held = protocol.claim(TaskView.of(task), None, holder)
+
+        def let_go() -> None:
+            done = protocol.complete(held, "ok")
+            status = projection.project(task, done.record, old=models.TaskStatus(), now=kube.now())
+            meta = task["metadata"]
+            kube.replace(TASKS, {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
+                                 "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion")},
+                                 "status": status.model_dump(mode="json", by_alias=True, exclude_none=True)},
+                         sub="status")
         return let_go
     return take
 
