@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tasklease_dev.bench.results import RESULTS, ROOT, load
-from tasklease_dev.bench.space import OPERATOR_ON_CASES, operator_on_case, operator_on_figure, spread_words
+from tasklease_dev.bench.space import (OBJECTS_CASE, OBJECTS_FIGURE, OPERATOR_ON_CASES, operator_on_case,
+                                       operator_on_figure, spread_words)
 from tasklease_dev.bench.targets import TARGETS, shown, verdict
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -90,6 +91,7 @@ def render(results: Loaded) -> str:
             lines.append(f"| {n} | {cases[n]['raw']['rate']:.1f} | {cases[n]['sdk']['rate']:.1f} | "
                          f"{shown(latest.get(f'sdk_vs_floor_{n}'))} |")
     lines += _operator_on_cpu(results)
+    lines += _objects_cpu(results)
     if len(results) > 1:
         lines += ["", "## Earlier results", "", "| file | measured on | targets met |", "|---|---|---|"]
         for name, res in results[1:]:
@@ -114,26 +116,45 @@ def _operator_on_cpu(results: Loaded) -> list[str]:
     lines = ["", "## Operator on: CPU per task, by process", "",
              f"From {name}: CPU milliseconds per task drained, the median over each case's pairs. The "
              "floor's agents are its workers; it runs no operator. The last column is the floor's CPU per "
-             "task ÷ the SDK's, beside the case's figure, its ratio in tasks/s.", "",
-             "| case | | " + " | ".join(label for _, label in _PROCESSES) + " | all | tasks/s | floor ÷ SDK |",
-             "|---|---|" + "---|" * (len(_PROCESSES) + 3)]
+             "task ÷ the SDK's, beside the case's figure, its ratio in tasks/s.", "", *_CPU_HEAD]
     for agents, queues, key in cases:
         runs = res["cases"].get(key)
-        if not runs:
-            continue
-        spread = spread_words(agents, queues)
-        total = {side: statistics.median(sum(run[side]["cpu_ms_per_task"].values()) for run in runs)
-                 for side in ("sdk", "raw3")}
-        for side, label in (("sdk", "SDK"), ("raw3", "3-write floor")):
-            used = [run[side]["cpu_ms_per_task"] for run in runs]
-            cells = [f"{statistics.median(u[proc] for u in used):.2f}" if proc in used[0] else "-"
-                     for proc, _ in _PROCESSES]
-            versus = (f"{total['raw3'] / total['sdk']:.2f} (tasks/s: "
-                      f"{shown(res.get(operator_on_figure(agents, queues)))})"
-                      if side == "sdk" else "")
-            lines.append(f"| {spread} | {label} | {' | '.join(cells)} | {total[side]:.2f} | "
-                         f"{statistics.median(run[side]['rate'] for run in runs):.1f} | {versus} |")
+        if runs:
+            lines += _cpu_rows(runs, spread_words(agents, queues), "sdk", "SDK",
+                               shown(res.get(operator_on_figure(agents, queues))))
     return lines
+
+
+def _objects_cpu(results: Loaded) -> list[str]:
+    """The same for the 3-write floor's writes made with the product's objects (`objects` section)."""
+    name, res = next(((n, r) for n, r in results if r.get("cases", {}).get(OBJECTS_CASE)), ("", {}))
+    if not name:
+        return []
+    return ["", "## The product's objects: CPU per task, by process", "",
+            f"From {name}: the 3-write floor's writes made with the SDK's Leases and the operator's "
+            "projected status, by 16 workers with no watch and no operator, beside the 3-write floor; "
+            "the median over the pairs.", "", *_CPU_HEAD,
+            *_cpu_rows(res["cases"][OBJECTS_CASE], "16 agents", "objects3", "product's objects",
+                       shown(res.get(OBJECTS_FIGURE)))]
+
+
+_CPU_HEAD = ["| case | | " + " | ".join(label for _, label in _PROCESSES) + " | all | tasks/s | floor ÷ case |",
+             "|---|---|" + "---|" * (len(_PROCESSES) + 3)]
+
+
+def _cpu_rows(runs: list[dict[str, Any]], case: str, side: str, label: str, figure: str) -> list[str]:
+    """`side`'s row and the 3-write floor's: each process's CPU per task, their sum, the rate,
+    and the floor's CPU per task ÷ `side`'s beside `figure`, the case's ratio in tasks/s."""
+    total = {s: statistics.median(sum(run[s]["cpu_ms_per_task"].values()) for run in runs) for s in (side, "raw3")}
+    rows = []
+    for s, name in ((side, label), ("raw3", "3-write floor")):
+        used = [run[s]["cpu_ms_per_task"] for run in runs]
+        cells = [f"{statistics.median(u[proc] for u in used):.2f}" if proc in used[0] else "-"
+                 for proc, _ in _PROCESSES]
+        versus = f"{total['raw3'] / total[side]:.2f} (tasks/s: {figure})" if s == side else ""
+        rows.append(f"| {case} | {name} | {' | '.join(cells)} | {total[s]:.2f} | "
+                    f"{statistics.median(run[s]['rate'] for run in runs):.1f} | {versus} |")
+    return rows
 
 
 def render_sizing(results: Loaded) -> str:

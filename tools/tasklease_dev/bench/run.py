@@ -39,8 +39,8 @@ from typing import Any
 from tasklease_dev.bench import agents_at_work, floors, recovery, report, results, scale, worker
 from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
-from tasklease_dev.bench.space import (OPERATOR_ON_CASES, SPREADS, in_namespace, operator_on_case,
-                                       operator_on_events, operator_on_figure)
+from tasklease_dev.bench.space import (OBJECTS_CASE, OBJECTS_FIGURE, OPERATOR_ON_CASES, SPREADS, in_namespace,
+                                       operator_on_case, operator_on_events, operator_on_figure)
 from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
 
@@ -160,9 +160,9 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
                           "writes made with the product's objects (the SDK's Leases, the projected status) "
                           "and the 3-write floor"):
         ratios, runs = pairs(kubeconfig, "objects3", "raw3", count=args.pairs, workers=16, tasks=args.operator_tasks)
-        res["cases"]["objects-16"] = runs
-        res["objects3_vs_floor3_16_pairs"] = ratios
-        res["objects3_vs_floor3_16"] = ratio(ratios)
+        res["cases"][OBJECTS_CASE] = runs
+        res[f"{OBJECTS_FIGURE}_pairs"] = ratios
+        res[OBJECTS_FIGURE] = ratio(ratios)
     if section("operator", "idle agents beside renewals; the operator at 100 tasks/s"):
         res.update(space(functools.partial(agents_at_work.renewals, kubeconfig=kubeconfig)))
         res.update(space(functools.partial(agents_at_work.operator_flow, kubeconfig=kubeconfig)))

@@ -98,6 +98,11 @@ def operator_on_figure(agents: int, queues: int) -> str:
     return f"sdk_operator_on_vs_floor3_{agents}{_spread_suffix(queues)}"
 
 
+# The `objects` section: the 3-write floor's writes made with the product's objects, 16 workers.
+OBJECTS_CASE = "objects-16"  # where its runs are kept in a result file (its `cases`)
+OBJECTS_FIGURE = "objects3_vs_floor3_16"  # their rate ÷ the 3-write floor's
+
+
 def operator_on_events(queues: int) -> str:
     """The key of the watch events per task per agent of the cases over `queues` queues."""
     return f"events_per_task_per_agent_operator_on{_spread_suffix(queues)}"

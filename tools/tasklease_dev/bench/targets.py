@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasklease_dev.bench.recovery import RECLAIM_TARGET_S
-from tasklease_dev.bench.space import SPREADS, operator_on_events, operator_on_figure, spread_words
+from tasklease_dev.bench.space import OBJECTS_FIGURE, SPREADS, operator_on_events, operator_on_figure, spread_words
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ TARGETS: list[Target] = [
         Target(f"watch events per task per agent, {spread_words(16, queues)}", operator_on_events(queues), "-"))),
     # The same three writes with the product's objects (Lease labels, owner and history; the
     # projected status), no watch, no operator: what the objects alone cost against the floor.
-    Target("3 writes with the product's objects ÷ 3-write floor, 16 agents", "objects3_vs_floor3_16", "-"),
+    Target("3 writes with the product's objects ÷ 3-write floor, 16 agents", OBJECTS_FIGURE, "-"),
     Target("agent start to first claim, 100k open, 16 agents (s)", "agent_first_claim_100k_s", "≤", 10),
     Target("agent RSS at 100k open (MB)", "agent_rss_mb_100k", "≤", 80),
     Target("operator RSS peak at 100k tasks (MB)", "operator_rss_mb_100k", "≤", 200),
