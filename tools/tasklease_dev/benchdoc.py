@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tasklease_dev.bench.results import RESULTS, ROOT, load
-from tasklease_dev.bench.space import (OBJECTS_CASE, OBJECTS_FIGURE, OPERATOR_ON_CASES, operator_on_case,
-                                       operator_on_figure, spread_words)
+from tasklease_dev.bench.space import (OBJECTS_CASE, OBJECTS_FIGURE, OBJECTS_WORKERS, OPERATOR_ON_CASES,
+                                       operator_on_case, operator_on_figure, spread_words)
 from tasklease_dev.bench.targets import TARGETS, shown, verdict
 
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -132,10 +132,10 @@ def _objects_cpu(results: Loaded) -> list[str]:
         return []
     return ["", "## The product's objects: CPU per task, by process", "",
             f"From {name}: the 3-write floor's writes made with the SDK's Leases and the operator's "
-            "projected status, by 16 workers with no watch and no operator, beside the 3-write floor; "
-            "the median over the pairs.", "", *_CPU_HEAD,
-            *_cpu_rows(res["cases"][OBJECTS_CASE], "16 agents", "objects3", "product's objects",
-                       shown(res.get(OBJECTS_FIGURE)))]
+            f"projected status, by {OBJECTS_WORKERS} workers with no watch and no operator, beside the "
+            "3-write floor; the median over the pairs.", "", *_CPU_HEAD,
+            *_cpu_rows(res["cases"][OBJECTS_CASE], spread_words(OBJECTS_WORKERS, 1), "objects3",
+                       "product's objects", shown(res.get(OBJECTS_FIGURE)))]
 
 
 _CPU_HEAD = ["| case | | " + " | ".join(label for _, label in _PROCESSES) + " | all | tasks/s | floor ÷ case |",

@@ -64,6 +64,21 @@ def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, n
     return status
 
 
+# A status write is conditional on the version we read, and on the uid: not a Task recreated under its name.
+_STATUS_WRITE_METADATA = ("name", "namespace", "uid", "resourceVersion")
+
+
+def status_write(task: dict[str, Any], status: TaskStatus) -> dict[str, Any]:
+    """The body of the write of `status` to `task`'s status subresource. The subresource keeps
+    everything but the status from the stored Task: the body carries only what names it and
+    makes the write conditional (its spec would be decoded and thrown away by the API server,
+    at every status write)."""
+    meta = task["metadata"]
+    return {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
+            "metadata": {k: meta[k] for k in _STATUS_WRITE_METADATA if k in meta},
+            "status": status.model_dump(mode="json", by_alias=True, exclude_none=True)}
+
+
 def unwritten(old: TaskStatus, new: TaskStatus) -> bool:
     """`old` is the CRD's default (the operator never wrote this Task) and `new` says no more
     than it: a task still waiting for its first claim needs no write; it reads Pending. Skipping

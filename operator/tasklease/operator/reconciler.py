@@ -53,8 +53,6 @@ _CONFLICT_RETRY_S = 0.2  # the first retry after a 409 (backoff base); other err
 _RETRY_CAP_S = 30.0
 _SEED_TRIES = 3
 _SEED_TIMEOUT_S = 3.0
-# A status write is conditional on the version we read, and on the uid: not a Task recreated under its name.
-_STATUS_WRITE_METADATA = ("name", "namespace", "uid", "resourceVersion")
 
 
 class Reconciler:
@@ -376,15 +374,8 @@ class Reconciler:
         self.store.projected(key, queue, view, rec, phase=new.phase, now=now)
         if (task.get("status") and projection.same(old, new)) or projection.unwritten(old, new):
             return
-        # The status subresource keeps everything but the status from the stored Task: the
-        # body carries only what names it and makes the write conditional (its spec would be
-        # decoded and thrown away by the API server, at every status write).
-        meta = task["metadata"]
-        body = {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
-                "metadata": {k: meta[k] for k in _STATUS_WRITE_METADATA if k in meta},
-                "status": new.model_dump(mode="json", by_alias=True, exclude_none=True)}
         try:
-            written = self.kube.replace(TASKS, body, sub="status")
+            written = self.kube.replace(TASKS, projection.status_write(task, new), sub="status")
         except errors.Conflict:
             metrics.STATUS_WRITES.labels("conflict").inc()
             raise

@@ -39,8 +39,8 @@ from typing import Any
 from tasklease_dev.bench import agents_at_work, floors, recovery, report, results, scale, worker
 from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
-from tasklease_dev.bench.space import (OBJECTS_CASE, OBJECTS_FIGURE, OPERATOR_ON_CASES, SPREADS, in_namespace,
-                                       operator_on_case, operator_on_events, operator_on_figure)
+from tasklease_dev.bench.space import (OBJECTS_CASE, OBJECTS_FIGURE, OBJECTS_WORKERS, OPERATOR_ON_CASES, SPREADS,
+                                       in_namespace, operator_on_case, operator_on_events, operator_on_figure)
 from tasklease_dev.cluster import ClusterState, LocalCluster
 from tasklease_dev.crds import apply_crds
 
@@ -156,10 +156,11 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
                                                    for run in runs]
         for key, per_agent in events.items():
             res[key] = statistics.median(per_agent)
-    if section("objects", f"{args.operator_tasks} tasks, 16 workers: {args.pairs} pairs of the 3-write floor's "
-                          "writes made with the product's objects (the SDK's Leases, the projected status) "
-                          "and the 3-write floor"):
-        ratios, runs = pairs(kubeconfig, "objects3", "raw3", count=args.pairs, workers=16, tasks=args.operator_tasks)
+    if section("objects", f"{args.operator_tasks} tasks, {OBJECTS_WORKERS} workers: {args.pairs} pairs of the "
+                          "3-write floor's writes made with the product's objects (the SDK's Leases, the "
+                          "projected status) and the 3-write floor"):
+        ratios, runs = pairs(kubeconfig, "objects3", "raw3", count=args.pairs, workers=OBJECTS_WORKERS,
+                             tasks=args.operator_tasks)
         res["cases"][OBJECTS_CASE] = runs
         res[f"{OBJECTS_FIGURE}_pairs"] = ratios
         res[OBJECTS_FIGURE] = ratio(ratios)

@@ -98,9 +98,10 @@ def operator_on_figure(agents: int, queues: int) -> str:
     return f"sdk_operator_on_vs_floor3_{agents}{_spread_suffix(queues)}"
 
 
-# The `objects` section: the 3-write floor's writes made with the product's objects, 16 workers.
-OBJECTS_CASE = "objects-16"  # where its runs are kept in a result file (its `cases`)
-OBJECTS_FIGURE = "objects3_vs_floor3_16"  # their rate ÷ the 3-write floor's
+# The `objects` section: the 3-write floor's writes made with the product's objects.
+OBJECTS_WORKERS = 16
+OBJECTS_CASE = f"objects-{OBJECTS_WORKERS}"  # where its runs are kept in a result file (its `cases`)
+OBJECTS_FIGURE = f"objects3_vs_floor3_{OBJECTS_WORKERS}"  # their rate ÷ the 3-write floor's
 
 
 def operator_on_events(queues: int) -> str:

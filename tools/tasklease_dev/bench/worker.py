@@ -169,14 +169,12 @@ def _floor_writes(kube: Kube, args: argparse.Namespace) -> tuple[Take, list[str]
     """How this floor worker takes a task, its tasks in its order, and the ones seen taken
     (kept current by its watch)."""
     taken: set[str] = set()
-    if args.worker in ("raw", "raw3"):  # no races: the floor
-        names = [f"t-{i:06d}" for i in range(args.index, args.tasks, args.workers)]
-        return _bare_take(kube, args.index, status=args.worker == "raw3"), names, taken
-    if args.worker == "objects3":  # no races either: the same shares, read before the clock starts
-        share = {f"t-{i:06d}" for i in range(args.index, args.tasks, args.workers)}
-        tasks = {t["metadata"]["name"]: t for page in kube.list_pages(TASKS, limit=500) for t in page["items"]
-                 if t["metadata"]["name"] in share}
-        return _objects_take(kube, args.index, tasks), sorted(tasks), taken
+    share = [f"t-{i:06d}" for i in range(args.index, args.tasks, args.workers)]  # no races: the floors
+    if args.worker in ("raw", "raw3"):
+        return _bare_take(kube, args.index, status=args.worker == "raw3"), share, taken
+    if args.worker == "objects3":  # its tasks read before the clock starts
+        tasks = {t["metadata"]["name"]: t for page in kube.list_pages(TASKS, limit=500) for t in page["items"]}
+        return _objects_take(kube, args.index, tasks), share, taken
     watch = Reflector(kube, LEASES, namespace=kube.namespace, keep_objects=False,
                       listener=lambda kind, obj: taken.add(obj["metadata"]["name"]))
     watch.start()
@@ -224,11 +222,7 @@ def _objects_take(kube: Kube, index: int, tasks: dict[str, JSON]) -> Take:
         def let_go() -> None:
             done = protocol.complete(held, "ok")
             status = projection.project(task, done.record, old=models.TaskStatus(), now=kube.now())
-            meta = task["metadata"]
-            kube.replace(TASKS, {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
-                                 "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion")},
-                                 "status": status.model_dump(mode="json", by_alias=True, exclude_none=True)},
-                         sub="status")
+            kube.replace(TASKS, projection.status_write(task, status), sub="status")
         return let_go
     return take
 
