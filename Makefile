@@ -75,7 +75,7 @@ lint: venv ## ruff, mypy --strict, and the import layers (lint-imports)
 	$(VENV)/bin/lint-imports
 
 # Pure logic: no control plane, a fake Kube or tasklease.testing, injected clocks (marker `unit`).
-UNIT_TESTS := tests/test_beside.py tests/test_decode.py tests/test_testing.py tests/test_contract.py \
+UNIT_TESTS := tests/test_beside.py tests/test_decode.py tests/test_chunked.py tests/test_testing.py tests/test_contract.py \
 	tests/test_discovery.py tests/test_discovery_props.py tests/test_compact.py tests/test_agentmem.py tests/test_runner_unit.py tests/test_aio_unit.py \
 	tests/test_worker_unit.py tests/test_jitter.py tests/test_expiry.py tests/test_rules.py tests/test_lifecycle_rules.py \
 	tests/test_connection.py tests/test_retry.py tests/test_slim.py tests/test_podbound_unit.py tests/test_workqueue.py tests/test_decision.py tests/test_queues_unit.py tests/test_queues_operator_unit.py \

@@ -278,6 +278,21 @@ def test_a_watch_quiet_for_longer_than_the_read_timeout_ends_as_if_closed(
     assert [event["type"] for event in events if event["type"] != "BOOKMARK"] == []
 
 
+def test_a_watch_the_server_ends_leaves_its_connection_to_the_next_request(kube: Kube) -> None:
+    """The watch reads its chunked response itself (`tasklease.kube.chunked`): read to its last
+    chunk, the response ends as http.client would end it, and the connection serves on."""
+    pool = kube.connection.pool.connection_from_url(kube.connection.host)
+    kube.list(LEASES, label_selector="test=ended")  # the connection is open
+    before = pool.num_connections
+    for _ in range(3):
+        version = kube.list(LEASES, label_selector="test=ended")["metadata"]["resourceVersion"]
+        kube.create(LEASES, lease(f"ended-{version}", "ended"))
+        events = list(kube.watch(LEASES, namespace=kube.namespace, resource_version=version,
+                                 label_selector="test=ended", timeout_s=1, batch_s=0.1))
+        assert [event["type"] for event in events if event["type"] != "BOOKMARK"] == ["ADDED"]
+    assert pool.num_connections == before  # every request and watch went over the one connection
+
+
 def test_the_agents_task_watch_gets_a_finished_task_as_the_status_write_and_tells_it_as_deleted(kube: Kube) -> None:
     """The watch after the list selects the whole queue: the status write that finishes a
     task reaches it as MODIFIED (which the API server encodes once for every watcher), and the
@@ -318,9 +333,9 @@ def test_the_agents_task_watch_gets_a_finished_task_as_the_status_write_and_tell
 
 def test_a_busy_watch_is_read_in_batches_and_an_event_after_a_quiet_spell_at_once(
         kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`batch_s`: the reader waits between events when nothing more has arrived, at most once
-    per `batch_s`, never before an event that follows a quiet spell: a burst costs a few
-    wake-ups, and a lone event is not delayed."""
+    """`batch_s`: the reader waits after a read that brought events when nothing more has
+    arrived, never before an event that follows a quiet spell: a burst costs a few wake-ups,
+    and a lone event is not delayed."""
     batch_s = 0.3
     waits: list[float] = []  # when each batching wait was over
     sleep = client.time.sleep
@@ -353,5 +368,5 @@ def test_a_busy_watch_is_read_in_batches_and_an_event_after_a_quiet_spell_at_onc
     assert sorted(name for name, _ in seen[:len(burst)]) == burst and seen[-1][0] == "lone"
     assert len({w for _, w in seen[:len(burst)]}) < len(burst)  # some read together, after one wait
     assert seen[-1][1] == before  # no wait before the lone event
-    # A wait ends a batch_s or more after the one before it: once per batch_s at most.
+    # Waits do not pile up: each ends a batch_s or more after the one before it.
     assert all(b - a >= batch_s for a, b in zip(waits, waits[1:], strict=False))

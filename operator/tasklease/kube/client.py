@@ -22,7 +22,7 @@ from urllib.parse import quote, urlencode
 import urllib3
 
 from tasklease.api import errors, resource
-from tasklease.kube import decode
+from tasklease.kube import chunked, decode
 from tasklease.kube.connection import Connection, connect
 from tasklease.kube.servertime import ServerClock
 
@@ -264,43 +264,53 @@ class Kube:
         then a BOOKMARK annotated `INITIAL_EVENTS_END` (a streaming list, `sendInitialEvents`).
         `hangup`: another thread's way to end it at once (then it ends as if the server had).
         `quiet_s`: it ends too after that long without a byte (`timeout_s` is whole seconds).
-        `batch_s`: between two events, when nothing more has arrived, wait that long before
-        reading on, at most once per `batch_s`: the events of a busy stream are read a batch per
-        wake-up of this thread instead of one each (every process that watches a busy resource
-        pays a wake-up per read), none later than `batch_s` after it arrived, and one after a
-        quiet spell at once (the reader waits in its read then, not in a pause)."""
+        `batch_s`: after a read that brought events, when nothing more has arrived, wait that
+        long before reading on: the events of a busy stream are read a batch per wake-up of
+        this thread instead of one each (every process that watches a busy resource pays a
+        wake-up per read), none later than `batch_s` after it arrived, and one after a quiet
+        spell at once (the reader waits in its read then, not in a pause)."""
         query = {"watch": "true", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": timeout_s, **_selectors(label_selector, field_selector)}
         if initial_events:
             query.update(sendInitialEvents="true", resourceVersionMatch="NotOlderThan")
         resp = self._send("GET", res.path(namespace), query=query, body=None, content_type="application/json",
                           timeout=(10, quiet_s))
-        # Read through http.client's response under urllib3's, which undoes the chunked
-        # encoding itself: urllib3's `stream` adds a third to the CPU of every event, and every
-        # agent of a queue reads every event of its Tasks.
+        # Read the bytes under http.client's response and undo the chunked encoding here
+        # (`chunked`): urllib3's `stream` adds a third to the CPU of every event, http.client's
+        # own decoding reads an event per call, and every agent of a queue reads every event
+        # of its Tasks. A response that is not chunked is read through http.client, unbatched.
         raw: http.client.HTTPResponse = resp._fp  # type: ignore[attr-defined]
+        dechunk = chunked.Dechunker() if raw.chunked and raw.fp is not None else None
+        read = raw.fp.read1 if dechunk is not None else raw.read1
         buffer = b""
-        ended = False
+        ended = busy = False
         if hangup is not None:
             hangup._attach(resp)
-        sock = getattr(getattr(resp, "connection", None), "sock", None) if batch_s else None
-        rested = time.monotonic() - batch_s
+        sock = getattr(getattr(resp, "connection", None), "sock", None) if batch_s and dechunk else None
         try:
             while True:
-                # Never inside an event, and once per `batch_s` at most: the socket does not show
-                # what http.client has read ahead, events that one wait must not delay again.
-                if sock is not None and not buffer and time.monotonic() - rested >= batch_s and not _arrived(sock):
+                # Never inside an event: every byte read is in `buffer`, so the socket shows
+                # whether anything else has arrived.
+                if sock is not None and busy and not buffer and not _arrived(sock):
                     time.sleep(batch_s)
-                    rested = time.monotonic()
-                chunk = raw.read1(_WATCH_READ_BYTES)
-                if not chunk:
+                busy = False
+                data = read(_WATCH_READ_BYTES)
+                if not data:
+                    if dechunk is not None:  # closed before its last chunk
+                        raise http.client.IncompleteRead(buffer)
                     break
-                buffer += chunk
-                if b"\n" in chunk:
+                if dechunk is not None:
+                    data = dechunk.feed(data)
+                buffer += data
+                if b"\n" in data:
+                    busy = True
                     *lines, buffer = buffer.split(b"\n")
                     for line in lines:
                         if line.strip():
                             yield decode.loads(line)
+                if dechunk is not None and dechunk.ended:
+                    raw.close()  # as http.client does at a body's end: the connection serves on
+                    break
             ended = True
         except TimeoutError as exc:
             if initial_events:  # a list cut short, not a quiet watch
@@ -308,7 +318,7 @@ class Kube:
             # Nothing, not even a bookmark, for the read timeout: it ends as if the server had
             # closed it, and is resumed from the last version seen.
             return
-        except (http.client.HTTPException, OSError) as exc:
+        except (http.client.HTTPException, OSError, chunked.MalformedChunk) as exc:
             if hangup is not None and hangup.hung_up:
                 return
             raise errors.Unreachable(f"watch interrupted: {_short(exc)}") from None

@@ -58,6 +58,9 @@ from tasklease.operator.reconciler import Reconciler
 log = logging.getLogger("tasklease.operator")
 
 AGENT_POD_SELECTOR = "tasklease.dev/agent=true"
+# The watches of Tasks and Leases are read a batch per wake-up (`Kube.watch`), each event at
+# most this late: a busy queue brings a few events per task, and reconciles wait `--coalesce`.
+_WATCH_BATCH_S = 0.1
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -201,9 +204,10 @@ def _reflectors(reconciler: Reconciler, podbound: PodBound, queues: QueueControl
     scopes: list[str | None] = [*namespaces] if namespaces else [None]
     store = reconciler.store
     return [r for ns in scopes for r in (
-        Reflector(kube, TASKS, namespace=ns, listener=on_task, known=functools.partial(store.task_names, ns)),
+        Reflector(kube, TASKS, namespace=ns, listener=on_task, known=functools.partial(store.task_names, ns),
+                  batch_s=_WATCH_BATCH_S),
         Reflector(kube, LEASES, namespace=ns, listener=on_lease, known=functools.partial(store.lease_names, ns),
-                  label_selector=record.MANAGED_SELECTOR))]
+                  label_selector=record.MANAGED_SELECTOR, batch_s=_WATCH_BATCH_S))]
 
 
 def _registry(reconciler: Reconciler, podbound: PodBound, kube: Kube, health: Health) -> kopf.OperatorRegistry:
