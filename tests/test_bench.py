@@ -13,6 +13,7 @@ import yaml
 from conftest import ROOT
 from tasklease_dev import benchdoc
 from tasklease_dev.bench.harness import cpu_until, ratio
+from tasklease_dev.bench.report import print_report
 from tasklease_dev.bench.results import load, newest_with
 from tasklease_dev.bench.targets import TARGETS, table
 
@@ -53,6 +54,20 @@ def test_the_table_names_every_target_and_counts_misses_and_figures_not_run() ->
     row = next(line for line in lines if line.startswith("SDK ÷ 3-write floor, operator on, 16 agents"))
     assert row.split()[-2:] == ["NOT", "met"] and "≥ 0.8" in row
     assert next(line for line in lines if "first claim" in line).endswith("not run")
+
+
+def test_the_report_prints_the_throughput_section_of_the_newest_run_that_has_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Its rows name the floors that section runs: a floor of another section is not in its cases.
+    found = newest_with("sdk_vs_floor_16")
+    assert found is not None
+    name, res = found
+    print_report(res)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("agents"))
+    assert header.split()[1:5] == ["raw", "watched", "protocol", "sdk"], name
+    sdk = res["cases"]["16"]["sdk"]["rate"]
+    assert any(line.split()[:1] == ["16"] and f"{sdk:.1f}" in line for line in out.splitlines()), name
 
 
 def test_the_sizing_table_is_generated_from_the_result_files() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tasklease_dev.bench.targets import table
-from tasklease_dev.bench.worker import FLOORS
+from tasklease_dev.bench.worker import THROUGHPUT_FLOORS
 
 Results = dict[str, Any]
 
@@ -23,7 +23,7 @@ def print_report(res: Results) -> list[str]:
           f"{res.get('runtime_s', 0) / 60:.0f} min{', quick' if res.get('quick') else ''}\n")
     counts = [key for key in res.get("cases", {}) if key.isdigit()]
     if counts:
-        modes = (*[mode for mode in FLOORS if mode != "raw3"], "sdk")
+        modes = (*THROUGHPUT_FLOORS, "sdk")
         print("tasks/s, and ÷ the raw floor, by agents, operator off: the floors one step nearer the SDK each")
         print(f"{'agents':>6} " + " ".join(f"{mode:>15}" for mode in modes) + f" {'claim p50':>10} {'409s':>5}")
         for n in counts:

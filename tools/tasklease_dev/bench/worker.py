@@ -37,6 +37,7 @@ Results = dict[str, Any]
 # ("objects3"): the SDK's Lease writes, and the status the operator projects for the finished
 # task, sent as the operator sends it (what the objects cost, apart from watches and the operator).
 FLOORS = ("raw", "raw3", "watched", "protocol", "objects3")
+THROUGHPUT_FLOORS = ("raw", "watched", "protocol")  # the operator-off section's, one step nearer the SDK each
 MODES = (*FLOORS, "sdk", "idle", "first")
 
 Take = Callable[[str], Callable[[], Any]]  # takes a task (Conflict if another worker did); returns its letting go
