@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.agent.discovery import task_selector
+from tasklease.agent.division import owner, weight
 from tasklease.agent.settings import AgentSettings
 from tasklease.api import errors, models
 from tasklease.api.timestamps import now_utc
@@ -402,6 +403,62 @@ def test_before_its_list_ends_a_lost_round_is_judged_again_from_the_same_read(ku
         task = agent.claim("lost", timeout=30)
         assert len(beaten) == AgentSettings().tries_per_look and task.name not in beaten
         assert not release.is_set() and reads[0] == 1, "a lost round read the queue again"
+        task.complete("ok")
+    finally:
+        release.set()
+        agent.close()
+
+
+def _peers_seen_late(me: str, names: list[str], *, tries: int, kept_before: int) -> list[str]:
+    """Seven peers by whom none of `names[:kept_before]` is `me`'s, but one of the rest is,
+    and not one of the `tries` that `me`, alone at first, tries first (its highest weights)."""
+    first = set(sorted(names, key=lambda name: weight(me, name), reverse=True)[:tries])
+    for k in range(10_000):
+        peers = [Identity(pod=f"late-peer-{k}-{i}", instance="1").holder for i in range(7)]
+        mine = [name for name in names if owner([me, *peers], name)[1] == me]
+        if mine and not set(mine) & set(names[:kept_before]) and set(mine) - first:
+            return peers
+    raise AssertionError("no such peers")
+
+
+def test_before_its_list_ends_a_round_lost_to_peers_seen_late_finds_its_own_in_the_same_read(kube: Kube) -> None:
+    """Agents started together count different members at first. An agent whose first round
+    is lost, and which then sees seven peers, judges the whole read again by all eight: its
+    own tasks are among the read's later ones here, and it claims one of them instead of
+    reading the queue again (seconds at a deep queue while every agent lists it)."""
+    names = [f"late-{i:02d}" for i in range(40)]
+    for name in names:
+        make_task(kube, name, queue="late")
+    release, reads = _hold_the_task_list(kube, "late")
+    identity = Identity(pod="late-agent", instance="a")
+    tries = AgentSettings().tries_per_look
+    peers = _peers_seen_late(identity.holder, names, tries=tries, kept_before=AgentSettings().best_of)
+    agent = Agent(kube, identity=identity)
+    request = kube.request
+    beaten: list[str] = []
+
+    def peers_first(method: str, path: str, **kwargs: Any) -> JSON:
+        body = kwargs.get("body") or {}
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        if method == "POST" and path == LEASES.path(kube.namespace) and labels.get(record.LABEL_MANAGED) \
+                and len(beaten) < tries:  # the whole first round lost
+            peer = json.loads(json.dumps(body))
+            peer["spec"]["holderIdentity"] = peers[0]
+            peer["metadata"]["labels"][record.LABEL_HOLDER_POD] = record.holder_pod(peers[0])
+            request(method, path, **{**kwargs, "body": peer})
+            beaten.append(body["metadata"]["name"])
+            if len(beaten) == tries:  # the peers join, and the agent sees them before its next round
+                view = agent.watch("late")
+                for holder in peers:
+                    members.MemberLease(kube, namespace=kube.namespace, queue="late", holder=holder).write([], 0)
+                    assert view.wait_for_member(holder, 30)
+        return request(method, path, **kwargs)
+    kube.request = peers_first  # type: ignore[method-assign]
+    try:
+        task = agent.claim("late", timeout=30)
+        assert len(beaten) == tries and task.name not in beaten
+        assert owner([identity.holder, *peers], task.name)[1] == identity.holder
+        assert not release.is_set() and reads[0] == 1, "the agent read the queue again"
         task.complete("ok")
     finally:
         release.set()

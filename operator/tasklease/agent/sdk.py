@@ -475,22 +475,23 @@ class Agent:
     def _early(self, view: QueueView, best: Iterator[JSON] | None) -> tuple[list[Candidate], float, bool]:
         """What to try while the queue's Tasks are still being listed (a deep queue takes a
         while): the best band's first tasks, read without reading the queue (`_best`, strict
-        priority; `best`: read already), ours first. Read until `best_of` of one band may be
-        claimed, or `early_reads` tasks: a band read that far without one may have more below,
-        which only the index will tell."""
+        priority; `best`: read already), ours first. Of the first `early_reads` tasks read,
+        those of the best band that may be claimed are kept whole: agents started together
+        count different members at first, and one that loses a round to peers judges the same
+        read again by the members it knows then (`_kept`), finding its own among them instead
+        of reading again. A band read that far without one may have more below, which only
+        the index will tell."""
         now = self.kube.now()
         tasks: list[TaskView] = []
         band: int | None = None
         try:
-            for read, obj in enumerate(best if best is not None else self._best(view)):
+            for obj in itertools.islice(best if best is not None else self._best(view), self.settings.early_reads):
                 task = TaskView.of(obj)
-                if read == self.settings.early_reads or (band is not None and task.spec.priority < band):
+                if band is not None and task.spec.priority < band:
                     break
                 if view.unlisted([task], self.identity.holder, now)[0]:
                     band = task.spec.priority
                     tasks.append(task)
-                    if len(tasks) == self.settings.best_of:
-                        break
         except (errors.Unreachable, errors.ServerError) as exc:  # a loaded API server: the list goes on
             log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
             return [], self.settings.early_s, False
