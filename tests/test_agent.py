@@ -415,8 +415,10 @@ def _peers_seen_late(me: str, names: list[str], *, tries: int, kept_before: int)
     first = set(sorted(names, key=lambda name: weight(me, name), reverse=True)[:tries])
     for k in range(10_000):
         peers = [Identity(pod=f"late-peer-{k}-{i}", instance="1").holder for i in range(7)]
-        mine = [name for name in names if owner([me, *peers], name)[1] == me]
-        if mine and not set(mine) & set(names[:kept_before]) and set(mine) - first:
+
+        def mine(name: str, peers: list[str] = peers) -> bool:
+            return owner([me, *peers], name)[1] == me
+        if not any(map(mine, names[:kept_before])) and any(mine(n) for n in names[kept_before:] if n not in first):
             return peers
     raise AssertionError("no such peers")
 
