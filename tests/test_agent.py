@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +356,30 @@ def _hold_the_task_list(kube: Kube, queue: str) -> tuple[threading.Event, list[i
     return release, reads
 
 
+def _a_round_lost_to(kube: Kube, peer: str, *, then: Callable[[], None] = lambda: None) -> list[str]:
+    """A whole round of claims lost: the next `tries_per_look` Leases an agent creates through
+    `kube` are each created first by `peer`. `then` runs once, after the last of them, before
+    the agent's own request. Returns the names taken so, as they are taken."""
+    request = kube.request
+    beaten: list[str] = []
+
+    def peer_first(method: str, path: str, **kwargs: Any) -> JSON:
+        body = kwargs.get("body") or {}
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        if method == "POST" and path == LEASES.path(kube.namespace) and labels.get(record.LABEL_MANAGED) \
+                and len(beaten) < AgentSettings().tries_per_look:
+            taken = json.loads(json.dumps(body))
+            taken["spec"]["holderIdentity"] = peer
+            taken["metadata"]["labels"][record.LABEL_HOLDER_POD] = record.holder_pod(peer)
+            request(method, path, **{**kwargs, "body": taken})
+            beaten.append(body["metadata"]["name"])
+            if len(beaten) == AgentSettings().tries_per_look:
+                then()
+        return request(method, path, **kwargs)
+    kube.request = peer_first  # type: ignore[method-assign]
+    return beaten
+
+
 def test_before_its_list_ends_one_read_of_the_best_tasks_serves_many_claims(kube: Kube) -> None:
     """Each read of the best tasks costs the API server a scan of the queue: an agent started
     at a deep queue claims what one read found of its own, one claim after the other."""
@@ -383,21 +407,7 @@ def test_before_its_list_ends_a_lost_round_is_judged_again_from_the_same_read(ku
     for i in range(12):
         make_task(kube, f"lost-{i:02d}", queue="lost")
     release, reads = _hold_the_task_list(kube, "lost")
-    request = kube.request
-    beaten: list[str] = []
-
-    def a_peer_first(method: str, path: str, **kwargs: Any) -> JSON:
-        body = kwargs.get("body") or {}
-        labels = (body.get("metadata") or {}).get("labels") or {}
-        if method == "POST" and path == LEASES.path(kube.namespace) and labels.get(record.LABEL_MANAGED) \
-                and len(beaten) < AgentSettings().tries_per_look:  # a whole round lost
-            peer = json.loads(json.dumps(body))
-            peer["spec"]["holderIdentity"] = "peer-pod/1"
-            peer["metadata"]["labels"][record.LABEL_HOLDER_POD] = "peer-pod"
-            request(method, path, **{**kwargs, "body": peer})
-            beaten.append(body["metadata"]["name"])
-        return request(method, path, **kwargs)
-    kube.request = a_peer_first  # type: ignore[method-assign]
+    beaten = _a_round_lost_to(kube, "peer-pod/1")
     agent = Agent(kube, identity=Identity(pod="lost-agent", instance="a"))
     try:
         task = agent.claim("lost", timeout=30)
@@ -436,26 +446,13 @@ def test_before_its_list_ends_a_round_lost_to_peers_seen_late_finds_its_own_in_t
     tries = AgentSettings().tries_per_look
     peers = _peers_seen_late(identity.holder, names, tries=tries, kept_before=AgentSettings().best_of)
     agent = Agent(kube, identity=identity)
-    request = kube.request
-    beaten: list[str] = []
 
-    def peers_first(method: str, path: str, **kwargs: Any) -> JSON:
-        body = kwargs.get("body") or {}
-        labels = (body.get("metadata") or {}).get("labels") or {}
-        if method == "POST" and path == LEASES.path(kube.namespace) and labels.get(record.LABEL_MANAGED) \
-                and len(beaten) < tries:  # the whole first round lost
-            peer = json.loads(json.dumps(body))
-            peer["spec"]["holderIdentity"] = peers[0]
-            peer["metadata"]["labels"][record.LABEL_HOLDER_POD] = record.holder_pod(peers[0])
-            request(method, path, **{**kwargs, "body": peer})
-            beaten.append(body["metadata"]["name"])
-            if len(beaten) == tries:  # the peers join, and the agent sees them before its next round
-                view = agent.watch("late")
-                for holder in peers:
-                    members.MemberLease(kube, namespace=kube.namespace, queue="late", holder=holder).write([], 0)
-                    assert view.wait_for_member(holder, 30)
-        return request(method, path, **kwargs)
-    kube.request = peers_first  # type: ignore[method-assign]
+    def peers_join() -> None:  # and the agent sees them before its next round
+        view = agent.watch("late")
+        for holder in peers:
+            members.MemberLease(kube, namespace=kube.namespace, queue="late", holder=holder).write([], 0)
+            assert view.wait_for_member(holder, 30)
+    beaten = _a_round_lost_to(kube, peers[0], then=peers_join)
     try:
         task = agent.claim("late", timeout=30)
         assert len(beaten) == tries and task.name not in beaten
