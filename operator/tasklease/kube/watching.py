@@ -165,10 +165,7 @@ class Reflector:
         return name in (self.known() if self.known is not None else self.store)
 
     def _relist(self) -> None:
-        # What was there before and is not listed again was deleted meanwhile; on a first list
-        # nothing was (and a deep queue's names are not gathered twice).
-        before = self.known() if self.known is not None else self.store
-        seen: set[str] | None = set() if before else None
+        unlisted = self._unlisted()
         since, start = "", ""
         while True:
             try:
@@ -178,8 +175,8 @@ class Reflector:
                                                  field_selector=self.field_selector, start=start, stream=True):
                     for obj in page.get("items", []):
                         name = self._name(obj)
-                        if seen is not None:
-                            seen.add(name)
+                        if unlisted is not None:
+                            unlisted.discard(name)
                         self._keep(name, obj)
                         self._deliver("ADDED", obj)
                     since = since or page["metadata"]["resourceVersion"]
@@ -198,14 +195,13 @@ class Reflector:
                          self.resource.plural, self.pages)
                 self.resumed += 1
                 start = exc.resume
-        self._listed(seen, since, before)
+        self._listed(unlisted, since)
 
     def _stream(self) -> bool:
         """A streaming list, then the watch goes on in the same response (or, with a
         `watch_field_selector`, in the next request). Whether the list ended: until the bookmark
         that ends it, a broken stream is a list to start again (`_rv` stays empty)."""
-        before = self.known() if self.known is not None else self.store
-        seen: set[str] | None = set() if before else None
+        unlisted = self._unlisted()
         listed = 0
         self.watches += 1
         for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
@@ -220,13 +216,13 @@ class Reflector:
             elif kind == "BOOKMARK":
                 if (obj["metadata"].get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
                     self.pages += 1  # the last, part of a page
-                    self._listed(seen, obj["metadata"]["resourceVersion"], before)
+                    self._listed(unlisted, obj["metadata"]["resourceVersion"])
                     if self._narrowed is not None:
                         return True  # the watch goes on with its own selector (`_watch`)
             else:
                 name = self._name(obj)
-                if seen is not None:
-                    seen.add(name)
+                if unlisted is not None:
+                    unlisted.discard(name)
                 self._keep(name, obj)
                 self._deliver("ADDED", obj)
                 listed += 1
@@ -234,15 +230,23 @@ class Reflector:
                     self.pages += 1
         return bool(self._rv)
 
-    def _listed(self, seen: set[str] | None, version: str, before: Collection[str]) -> None:
-        """A first list has ended at `version`: what was there `before` and is not in it was
-        deleted meanwhile."""
+    def _unlisted(self) -> set[str] | None:
+        """Before a list: what is in the picture, each name struck off as the list brings it
+        again; none on a first list. What is left when the list ends was deleted meanwhile.
+        It refers to the names the picture holds already: gathering the listed ones instead
+        would hold a second copy of every name while a deep queue is listed again (after a
+        streaming list was cut short, or a 410)."""
+        before = self.known() if self.known is not None else self.store
+        return set(before) if before else None
+
+    def _listed(self, unlisted: set[str] | None, version: str) -> None:
+        """A list has ended at `version`: what it did not bring again (`_unlisted`) is gone."""
         self.lists += 1
-        if seen is not None and self.known is not None:
-            for name in [n for n in before if n not in seen]:
-                self._deliver("DELETED", self._stored(name, None))
-        elif seen is not None:
-            for name in set(self.store) - seen:
+        for name in unlisted or ():
+            if self.known is not None:
+                if name in self.known():
+                    self._deliver("DELETED", self._stored(name, None))
+            elif name in self.store:
                 self._deliver("DELETED", self._stored(name, self.store.pop(name)))
         self._rv = version
         self.error = None

@@ -259,6 +259,7 @@ def _first(args: argparse.Namespace) -> Results:
     cpu = cpu_s()
     done = agent.work("bench", lambda task: "ok", idle_timeout=5.0)
     report = {"done": done, "first_claim": first[0] if first else None, "completions": completions,
-              "rss_mb": status_mb("self", "VmHWM"), "cpu_s": cpu_s() - cpu}
+              "rss_mb": status_mb("self", "VmHWM"), "cpu_s": cpu_s() - cpu,
+              "lists_cut_short": agent.watch("bench").task_watch.cut_short}
     agent.close()
     return report
