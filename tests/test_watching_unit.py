@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tasklease.kube import JSON, TASKS
 from tasklease.kube.client import INITIAL_EVENTS_END
@@ -115,3 +117,30 @@ def test_a_selector_term_without_an_operator_is_refused_at_once() -> None:
     with pytest.raises(ValueError, match="not a field selector requirement"):
         Reflector(Scripted([], []), TASKS, namespace="ns", listener=lambda *_: None,  # type: ignore[arg-type]
                   field_selector="spec.queue", watch_field_selector="spec.queue=q")
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=st.sets(st.text(alphabet="ab-", min_size=1, max_size=4), max_size=24),
+       after=st.sets(st.text(alphabet="ab-", min_size=1, max_size=4), max_size=24), known=st.booleans())
+def test_a_list_made_again_reports_as_deleted_exactly_what_it_no_longer_brings(
+        before: set[str], after: set[str], known: bool) -> None:
+    names: set[str] = set()
+    deleted: list[str] = []
+
+    def listener(kind: str, obj: JSON) -> None:
+        name = obj["metadata"]["name"]
+        if kind == "DELETED":
+            deleted.append(name)
+            names.discard(name)
+        else:
+            names.add(name)
+    kube = Scripted([task(n, "1") for n in before], [])
+    reflector = Reflector(kube, TASKS, namespace="ns", listener=listener,  # type: ignore[arg-type]
+                          field_selector=OPEN, watch_field_selector="spec.queue=q", keep_objects=False,
+                          known=(lambda: names) if known else None, watch_list=True)
+    assert reflector._stream()
+    kube.listed = [task(n, "2") for n in after]  # listed in the order a set gives, not sorted
+    reflector._rv = ""  # as after a 410
+    assert reflector._stream()
+    assert sorted(deleted) == sorted(before - after) and names == after
+    assert known or set(reflector.store) == after

@@ -21,11 +21,12 @@ of a reader that falls behind, and a list could still outlast its timeout).
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from tasklease.api import errors
 from tasklease.api.retry import Backoff, transient
@@ -176,7 +177,7 @@ class Reflector:
                     for obj in page.get("items", []):
                         name = self._name(obj)
                         if unlisted is not None:
-                            unlisted.discard(name)
+                            unlisted.strike(name)
                         self._keep(name, obj)
                         self._deliver("ADDED", obj)
                     since = since or page["metadata"]["resourceVersion"]
@@ -222,7 +223,7 @@ class Reflector:
             else:
                 name = self._name(obj)
                 if unlisted is not None:
-                    unlisted.discard(name)
+                    unlisted.strike(name)
                 self._keep(name, obj)
                 self._deliver("ADDED", obj)
                 listed += 1
@@ -230,16 +231,13 @@ class Reflector:
                     self.pages += 1
         return bool(self._rv)
 
-    def _unlisted(self) -> set[str] | None:
-        """Before a list: what is in the picture, each name struck off as the list brings it
-        again; none on a first list. What is left when the list ends was deleted meanwhile.
-        It refers to the names the picture holds already: gathering the listed ones instead
-        would hold a second copy of every name while a deep queue is listed again (after a
-        streaming list was cut short, or a 410)."""
+    def _unlisted(self) -> _Unlisted | None:
+        """Before a list: what is in the picture (none on a first list), struck off as the list
+        brings it again; what is left when the list ends was deleted meanwhile."""
         before = self.known() if self.known is not None else self.store
-        return set(before) if before else None
+        return _Unlisted(before) if before else None
 
-    def _listed(self, unlisted: set[str] | None, version: str) -> None:
+    def _listed(self, unlisted: _Unlisted | None, version: str) -> None:
         """A list has ended at `version`: what it did not bring again (`_unlisted`) is gone."""
         self.lists += 1
         for name in unlisted or ():
@@ -311,6 +309,25 @@ class Reflector:
         except Exception:  # noqa: BLE001
             log.exception("skipping %s %s/%s: it could not be read", self.resource.plural,
                           obj.get("metadata", {}).get("namespace"), obj.get("metadata", {}).get("name"))
+
+
+class _Unlisted:
+    """The names a picture held before a list, each struck off as the list brings it again. It
+    refers to the names the picture holds, sorted, and keeps a byte per name: a set of them, or
+    of the names listed, would take several times that while a deep queue is listed again
+    (after a streaming list was cut short, or a 410)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._names = sorted(names)
+        self._struck = bytearray(len(self._names))
+
+    def strike(self, name: str) -> None:
+        at = bisect.bisect_left(self._names, name)
+        if at < len(self._names) and self._names[at] == name:
+            self._struck[at] = 1
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, struck in zip(self._names, self._struck, strict=True) if not struck)
 
 
 def _requirements(selector: str) -> list[tuple[list[str], bool, str]]:
