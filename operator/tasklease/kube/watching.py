@@ -241,11 +241,8 @@ class Reflector:
         """A list has ended at `version`: what it did not bring again (`_unlisted`) is gone."""
         self.lists += 1
         for name in unlisted or ():
-            if self.known is not None:
-                if name in self.known():
-                    self._deliver("DELETED", self._stored(name, None))
-            elif name in self.store:
-                self._deliver("DELETED", self._stored(name, self.store.pop(name)))
+            if self.has(name):  # the store keeps nothing when the listener keeps the names
+                self._deliver("DELETED", self._stored(name, self.store.pop(name, None)))
         self._rv = version
         self.error = None
         self.synced.set()
