@@ -645,3 +645,38 @@ def test_the_task_watch_keeps_no_store_of_its_own_and_a_relist_still_finds_what_
     assert view.claimable_count() == 2 and view.task_watch.store == {} and view.task_watch.has("b")
     view.task_watch._relist()  # "b" was deleted while the watch was away
     assert view.claimable_count() == 1 and not view.task_watch.has("b")
+
+
+@pytest.mark.unit
+def test_a_task_listed_again_unchanged_is_not_decoded_again_and_a_changed_one_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list made again (after the API server cut one short) brings every task again: one held
+    as it is listed is no news; one that changed meanwhile is judged again."""
+    def listed(priority_of_b: int) -> list[dict[str, Any]]:
+        return [{"metadata": {"name": n, "namespace": "ns", "uid": f"uid-{n}", "creationTimestamp":
+                              "2026-01-01T00:00:00Z", "resourceVersion": "9"},
+                 "spec": {"queue": "q", "priority": priority_of_b if n == "b" else 0}} for n in ("a", "b")]
+
+    class Pages:
+        namespace = "ns"
+        pages = [listed(0), listed(0), listed(5)]
+
+        def list_pages(self, *args: Any, **kwargs: Any) -> Iterator[dict[str, Any]]:
+            yield {"metadata": {"resourceVersion": "9"}, "items": self.pages.pop(0)}
+
+        def now(self) -> Any:
+            return now_utc()
+    decoded: list[str] = []
+    of = TaskView.of
+    monkeypatch.setattr(discovery.TaskView, "of", staticmethod(lambda obj: decoded.append(obj["metadata"]["name"])
+                                                               or of(obj)))
+    view = QueueView(Pages(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+    seen: list[str] = []
+    view.task_listeners.append(lambda kind, obj: seen.append(f"{kind} {obj['metadata']['name']}"))
+    view.task_watch._relist()
+    assert decoded == ["a", "b"] and view.claimable_count() == 2
+    view.task_watch._relist()  # the same again
+    assert decoded == ["a", "b"] and view.claimable_count() == 2
+    view.task_watch._relist()  # "b" moved to a higher band meanwhile
+    assert decoded == ["a", "b", "b"] and view.choose("me/x", now_utc(), window=8)[0][0][0].name == "b"
+    assert seen == ["ADDED a", "ADDED b"] * 3  # the listeners are told of each, news or not

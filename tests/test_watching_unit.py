@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from tasklease.kube import JSON, TASKS
 from tasklease.kube.client import INITIAL_EVENTS_END
+from tasklease.api import errors
+from tasklease.kube import watching
 from tasklease.kube.watching import Reflector
 
 pytestmark = pytest.mark.unit
@@ -144,3 +146,49 @@ def test_a_list_made_again_reports_as_deleted_exactly_what_it_no_longer_brings(
     assert reflector._stream()
     assert sorted(deleted) == sorted(before - after) and names == after
     assert known or set(reflector.store) == after
+
+
+class Paged:
+    """Answers a paginated list from `listed`, `size` a page, its continue token the index of
+    the page's first object; a page whose index is in `failing` fails once, as a timeout does."""
+
+    def __init__(self, listed: list[JSON], size: int, failing: set[int]) -> None:
+        self.listed, self.size, self.failing = listed, size, failing
+        self.asked: list[str] = []
+
+    def list_pages(self, res: Any, *, start: str = "", **_: Any) -> Iterator[JSON]:
+        at = int(start or 0)
+        while True:
+            self.asked.append(str(at))
+            if at in self.failing:
+                self.failing.discard(at)
+                raise errors.Unreachable("cannot reach the Kubernetes API server: read timed out")
+            following = at + self.size
+            more = {"continue": str(following)} if following < len(self.listed) else {}
+            yield {"items": iter(self.listed[at:following]), "metadata": {"resourceVersion": "7", **more}}
+            if not more:
+                return
+            at = following
+
+
+def test_a_page_that_fails_is_asked_for_again_and_the_list_goes_on_from_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(watching, "_RETRY_BASE_S", 0.001)
+    seen: list[str] = []
+    kube = Paged([task(f"t{i}", "7") for i in range(10)], size=3, failing={0, 6})
+    reflector = Reflector(kube, TASKS, namespace="ns", listener=lambda kind, obj: seen.append(  # type: ignore[arg-type]
+        obj["metadata"]["name"]), field_selector=OPEN)
+    reflector._relist()
+    # The first page again, then the third page again, from its own token: nothing listed twice.
+    assert kube.asked == ["0", "0", "3", "6", "6", "9"]
+    assert seen == [f"t{i}" for i in range(10)]
+    assert reflector.synced.is_set() and reflector.retried == 2 and reflector.lists == 1 and reflector.error is None
+
+
+def test_a_reflector_stopped_while_a_failed_page_waits_lists_and_watches_no_more() -> None:
+    kube = Paged([task("t0", "7")], size=3, failing={0})
+    reflector = Reflector(kube, TASKS, namespace="ns", listener=lambda kind, obj: None,  # type: ignore[arg-type]
+                          field_selector=OPEN)
+    reflector.stop()
+    reflector._list_and_watch()  # no watch request: Paged has none to answer
+    assert kube.asked == ["0"] and not reflector.synced.is_set()
+    assert isinstance(reflector.error, errors.Unreachable)

@@ -420,8 +420,15 @@ class QueueView:
 
     def _on_task(self, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]
+        held = self._tasks.get(name) if kind == "ADDED" else None
+        text = b"" if held is None else compact(obj, queue=self.queue)
+        if text == held:
+            # Listed again as it is held (a list made again after the API server cut one short):
+            # no news, so nothing to validate or judge again, on every agent listing at once.
+            self._notify(kind, obj)
+            return
         view = None if kind == "DELETED" else TaskView.of(obj)
-        text = b"" if view is None else compact(obj, queue=self.queue)
+        text = b"" if view is None else text or compact(obj, queue=self.queue)
         with self._changed:
             if view is None:
                 # Finished (it left the phase selector) or deleted: its Lease no longer matters.
@@ -434,6 +441,9 @@ class QueueView:
                 self._tasks[name] = text
                 self._remember(name, view)
             self._judge(name, self._now())
+        self._notify(kind, obj)
+
+    def _notify(self, kind: str, obj: JSON) -> None:
         for listener in self.task_listeners:
             listener(kind, obj)
 

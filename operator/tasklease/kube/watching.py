@@ -4,10 +4,11 @@ A restarted watch asks for the last resourceVersion it saw, so nothing that happ
 while it reconnected is missed; when the server no longer has that version (410 Gone)
 it lists again and reports what disappeared meanwhile as deletions. Lists are paginated
 (`limit`/`continue`): a large queue never arrives as one huge answer; one that outlives
-its snapshot goes on at the server's current version (see `_relist`). Failures are retried
-with capped exponential backoff (`api.retry.Backoff`), which starts over once a list or watch
-has run for a while; only a 410 relists, and a permanent error (no rights, no CRD) stops the
-thread with `error` set, logged once.
+its snapshot goes on at the server's current version, and a page that fails is asked for
+again (see `_relist`). Failures are retried with capped exponential backoff
+(`api.retry.Backoff`), which starts over once a list or watch has run for a while; only a 410
+relists, and a permanent error (no rights, no CRD) stops the thread with `error` set, logged
+once.
 
 `watch_list=True` lists as a streaming list instead (`sendInitialEvents`, on by default since
 Kubernetes 1.32): the selected objects arrive as the first events of a watch, served from
@@ -39,6 +40,7 @@ LIST_TIMEOUT_S = 1800
 # A list or watch that ran this long before it failed had recovered from any earlier failure:
 # its retry waits the shortest delay again (an API server restarted twice is two outages).
 _HEALTHY_S = 10.0
+_RETRY_BASE_S, _RETRY_CAP_S = 0.5, 30.0  # the first and the longest wait before a retry
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class Reflector:
         self.pages = 0  # LIST pages received: a long first list shows its progress here
         self.resumed = 0  # lists that outlived their snapshot and went on at a newer version
         self.cut_short = 0  # streaming lists the API server ended before their last object
+        self.retried = 0  # pages of a list asked for again after a transient failure
         self._stop = threading.Event()
         self._hangup = Hangup()  # `stop` ends a watch under way at once, not at its next event
         self._rv = since
@@ -114,7 +117,7 @@ class Reflector:
         return self._thread.ident is not None and not self._thread.is_alive()
 
     def _run(self) -> None:
-        backoff = Backoff(base_s=0.5, cap_s=30.0, healthy_s=_HEALTHY_S)
+        backoff = Backoff(base_s=_RETRY_BASE_S, cap_s=_RETRY_CAP_S, healthy_s=_HEALTHY_S)
         while not self._stop.is_set():
             started = time.monotonic()
             try:
@@ -159,7 +162,8 @@ class Reflector:
                 return
         if not self._rv:
             self._relist()
-        self._watch()
+        if not self._stop.is_set():
+            self._watch()
 
     def has(self, name: str) -> bool:
         """Whether the object `name` is in the picture (in `known`, when the listener keeps it)."""
@@ -168,6 +172,7 @@ class Reflector:
     def _relist(self) -> None:
         unlisted = self._unlisted()
         since, start = "", ""
+        retry = Backoff(base_s=_RETRY_BASE_S, cap_s=_RETRY_CAP_S)
         while True:
             try:
                 for page in self.kube.list_pages(self.resource, namespace=self.namespace,
@@ -181,7 +186,9 @@ class Reflector:
                         self._keep(name, obj)
                         self._deliver("ADDED", obj)
                     since = since or page["metadata"]["resourceVersion"]
+                    start = page["metadata"].get("continue") or start
                     self.pages += 1
+                    retry.reset()
                 break
             except errors.Gone as exc:
                 if not exc.resume:
@@ -196,6 +203,19 @@ class Reflector:
                          self.resource.plural, self.pages)
                 self.resumed += 1
                 start = exc.resume
+            except errors.TaskleaseError as exc:
+                if not transient(exc):
+                    raise
+                # A page that failed (one that timed out on a loaded API server) is asked for
+                # again, from the same snapshot: a list started over would read everything
+                # listed so far again, and on a deep queue that many agents list at once add
+                # to the load that failed it.
+                self.error, self.retried = exc, self.retried + 1
+                delay = retry.next()
+                log.warning("a page of the list of %s failed after %d pages (%s); asking again in %.1fs",
+                            self.resource.plural, self.pages, exc, delay)
+                if self._stop.wait(delay):
+                    return
         self._listed(unlisted, since)
 
     def _stream(self) -> bool:
