@@ -65,9 +65,11 @@ def at_depth(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Result
     return {"rate": done / (last - first), "done": done, "created_per_s": depth / created_s,
             "first_claim_max_s": max(firsts), "first_claim_median_s": statistics.median(firsts),
             "agents_without_a_claim": agents - len(firsts), "agent_rss_mb": max(r["rss_mb"] for r in reports),
-            # Each agent's peak, and how many of their lists of the queue the API server cut
-            # short (each then listed again, in pages).
+            # Each agent's peak, how many of their lists of the queue the API server cut short
+            # (each then listed again, in pages), and how many of those pages failed and were
+            # asked for again.
             "agent_rss_mbs": sorted(r["rss_mb"] for r in reports),
             "agent_lists_cut_short": sum(r["lists_cut_short"] for r in reports),
+            "agent_pages_retried": sum(r.get("pages_retried", 0) for r in reports),
             "operator_rss_mb": operator_mb, "drain_s": last - started,
             "operator_cpu_s": operator_cpu_s, "agent_cpu_s": sum(r["cpu_s"] for r in reports)}

@@ -260,6 +260,7 @@ def _first(args: argparse.Namespace) -> Results:
     done = agent.work("bench", lambda task: "ok", idle_timeout=5.0)
     report = {"done": done, "first_claim": first[0] if first else None, "completions": completions,
               "rss_mb": status_mb("self", "VmHWM"), "cpu_s": cpu_s() - cpu,
-              "lists_cut_short": agent.watch("bench").task_watch.cut_short}
+              "lists_cut_short": agent.watch("bench").task_watch.cut_short,
+              "pages_retried": agent.watch("bench").task_watch.retried}
     agent.close()
     return report
