@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasklease.kube import JSON, TASKS
-from tasklease.kube.client import INITIAL_EVENTS_END
 from tasklease.api import errors
-from tasklease.kube import watching
+from tasklease.kube import JSON, TASKS, watching
+from tasklease.kube.client import INITIAL_EVENTS_END
 from tasklease.kube.watching import Reflector
 
 pytestmark = pytest.mark.unit

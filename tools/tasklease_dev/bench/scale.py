@@ -70,6 +70,6 @@ def at_depth(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Result
             # asked for again.
             "agent_rss_mbs": sorted(r["rss_mb"] for r in reports),
             "agent_lists_cut_short": sum(r["lists_cut_short"] for r in reports),
-            "agent_pages_retried": sum(r.get("pages_retried", 0) for r in reports),
+            "agent_pages_retried": sum(r["pages_retried"] for r in reports),
             "operator_rss_mb": operator_mb, "drain_s": last - started,
             "operator_cpu_s": operator_cpu_s, "agent_cpu_s": sum(r["cpu_s"] for r in reports)}
