@@ -400,6 +400,35 @@ def test_before_its_list_ends_one_read_of_the_best_tasks_serves_many_claims(kube
         agent.close()
 
 
+def test_before_its_list_ends_an_agent_that_won_a_claim_reads_the_best_tasks_no_more(kube: Kube) -> None:
+    """While many agents list a deep queue, each read of its best tasks is one more scan of it
+    beside their lists, and most of what it finds a peer has taken already: once an agent has
+    won a claim so, what that read kept is all, and its next claim waits for the list."""
+    for i in range(6):
+        make_task(kube, f"spent-{i:02d}", queue="spent")
+    release, reads = _hold_the_task_list(kube, "spent")
+    agent = Agent(kube, identity=Identity(pod="spent-agent", instance="a"), settings=AgentSettings(early_reads=4))
+    try:
+        done = []
+        for _ in range(4):  # what the one read found
+            task = agent.claim("spent", timeout=30)
+            task.complete("ok")
+            done.append(task.name)
+        assert sorted(done) == [f"spent-{i:02d}" for i in range(4)] and reads[0] == 1
+        claimed: list[ClaimedTask] = []
+        waiting = threading.Thread(target=lambda: claimed.append(agent.claim("spent", timeout=30)))
+        waiting.start()
+        waiting.join(2)
+        assert waiting.is_alive() and reads[0] == 1, "the agent read the queue again before its list ended"
+        release.set()
+        waiting.join(30)
+        assert claimed and claimed[0].name in ("spent-04", "spent-05") and reads[0] == 1
+        claimed[0].complete("ok")
+    finally:
+        release.set()
+        agent.close()
+
+
 def test_before_its_list_ends_a_lost_round_is_judged_again_from_the_same_read(kube: Kube) -> None:
     """An agent that loses its first picks to peers (they count fewer members, so some of its
     tasks are theirs too) tries the rest of the same read, judged again: another read would

@@ -88,6 +88,10 @@ class Agent:
         # again on each use, also after the read's own round was lost (the peers that joined since
         # may own what looked ours), until a round from it is lost or the list ends.
         self._next: dict[str, tuple[int | None, list[Candidate]]] = {}
+        # The queues where a claim was won before their list ended: no more reads of the best
+        # tasks there (`_early`). While many agents list a deep queue, each read is one more scan
+        # of it beside their lists, and most of what it finds a peer has claimed already.
+        self._early_won: set[str] = set()
         self._views_lock = threading.Lock()
         self._gates = Gates(kube, namespace=self.namespace, holder=self.identity.holder)  # TaskQueue controls
 
@@ -195,6 +199,9 @@ class Agent:
             claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
             self._gates.bind(queue, admission, claimed)
             if claimed is not None:
+                if not listed:
+                    with self._views_lock:
+                        self._early_won.add(queue)
                 if rest and ours and listed:  # an early read is kept whole (`_early`)
                     with self._views_lock:
                         self._next[queue] = (since, rest)
@@ -480,7 +487,11 @@ class Agent:
         count different members at first, and one that loses a round to peers judges the same
         read again by the members it knows then (`_kept`), finding its own among them instead
         of reading again. A band read that far without one may have more below, which only
-        the index will tell."""
+        the index will tell. Once a claim was won so (`_early_won`), what the last read kept is
+        all: the next claim waits for the list."""
+        with self._views_lock:
+            if best is None and view.queue in self._early_won:
+                return [], self.settings.early_s, False
         now = self.kube.now()
         tasks: list[TaskView] = []
         band: int | None = None

@@ -31,6 +31,7 @@ class AgentSettings:
     cli_page: int = 20  # Tasks per page read by the one-shot claim (`tasklease claim`)
     # Before the first list of a queue's Tasks ends: the most of its best tasks a claim reads
     # (`ranked`, in one page: each read costs the API server a scan of the queue, and what it
-    # finds of ours serves the claims after it), and how long it waits when none may be claimed.
+    # finds of ours serves the claims after it; none after a claim is won so), and how long it
+    # waits when none may be claimed.
     early_reads: int = 128
     early_s: float = 1.0
