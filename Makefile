@@ -5,18 +5,25 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml tools/pyproject.toml | cksum | cut -d' ' -f1)
 LOCAL  := $(PY) -m tasklease_dev
 
-.PHONY: help venv build prometheus cluster cluster-down node node-down e2e kind kind-down kind-e2e lint unit unit-all test demo bench chaos generate dist clean
+.PHONY: help venv bytecode build prometheus cluster cluster-down node node-down e2e kind kind-down kind-e2e lint unit unit-all test demo bench chaos generate dist clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
-# --no-compile: a module is byte-compiled when first imported, and most of those installed never
-# are (the Kubernetes client's models); compiling them all took a third of the install.
+# Bytecode is compiled once here, as pip compiles it into the image, but for the Kubernetes
+# client (its models are most of the files, and only a kubeconfig with an exec plugin imports
+# it). Where PYTHONDONTWRITEBYTECODE is set no import writes any, and every process started
+# (agents, the operator, the CLI in tests) would compile all it imports again: most of an
+# agent's start. `bytecode` does the same for the source folders, whose files change.
 $(STAMP): pyproject.toml tools/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -e '.[operator,test]' -e tools
+	$(PY) -m compileall -q -j0 -x '/kubernetes/' $(VENV)/lib >/dev/null
 	rm -f $(VENV)/.installed-*; touch $@
+
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j0 operator tools >/dev/null
 
 venv: $(STAMP) ## create the virtualenv; install tasklease (operator and test extras) and tools/ (development)
 
@@ -94,18 +101,18 @@ unit-all: unit ## the unit tests on every supported Python (3.11, and 3.12 and 3
 	  PYTHONPATH=operator:tools $$venv/bin/python -m pytest -p no:cacheprovider -m unit -q $(UNIT_TESTS) || exit 1; \
 	done
 
-test: build lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the rest of the suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), e2e, kind-e2e
+test: build bytecode lint unit-all prometheus ## lint, unit tests on 3.11-3.13, the rest of the suite (its own control plane; TASKLEASE_KUBECONFIG=... uses yours), e2e, kind-e2e
 	$(PY) -m pytest -m "not unit" --ignore=tests/test_node_e2e.py --ignore=tests/test_kind_e2e.py $(PYTEST_ARGS)
 	$(MAKE) e2e
 	$(MAKE) kind-e2e
 
-demo: build ## a fleet of shell agents, a crash and a requeue, on the local control plane
+demo: build bytecode ## a fleet of shell agents, a crash and a requeue, on the local control plane
 	$(PY) -m tasklease_dev.demo
 
-chaos: build ## 1,000 tasks, 6 agents, 2 operators under random kill -9/SIGSTOP/API-server faults; checks every invariant
+chaos: build bytecode ## 1,000 tasks, 6 agents, 2 operators under random kill -9/SIGSTOP/API-server faults; checks every invariant
 	$(PY) -m tasklease_dev.chaos $(CHAOS_ARGS)
 
-bench: build ## every target of docs/benchmarks.md, beside floors from the same run; exits 1 on a miss (BENCH_QUICK=1: minutes)
+bench: build bytecode ## every target of docs/benchmarks.md, beside floors from the same run; exits 1 on a miss (BENCH_QUICK=1: minutes)
 	$(PY) -m tasklease_dev.bench $(BENCH_ARGS)
 
 dist: venv ## a release into dist/: wheel, sdist, chart, image (OCI archive, buildah), krew plugin, SHA256SUMS

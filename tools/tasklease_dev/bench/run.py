@@ -18,7 +18,8 @@ time or size measured the same way:
   beside it) and the operator's memory at --cli-depth open tasks; the drain at --depth open ÷
   at --tasks open;
 - scale, operator on: --scale tasks created by parallel raw writes, then 16 agents start
-  together: start to first claim, agents' and operator's peak memory, the drain ÷ 500.
+  together (on compiled bytecode, as in the image: `make bench` compiles it first): start to
+  first claim, agents' and operator's peak memory, the drain ÷ 500.
 BENCH_QUICK=1 (or --quick) shrinks every size for a run of minutes; the targets at sizes it does
 not reach are then "not run". The result file: bench/results/<date>-<commit>.json ($BENCH_OUT).
 """
