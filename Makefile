@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml tools/pyproject.toml
 	$(PY) -m compileall -q -j0 -x '/kubernetes/' $(VENV)/lib >/dev/null
 	rm -f $(VENV)/.installed-*; touch $@
 
-bytecode: $(STAMP)
-	$(PY) -m compileall -q -j0 operator tools >/dev/null
-
 venv: $(STAMP) ## create the virtualenv; install tasklease (operator and test extras) and tools/ (development)
+
+bytecode: $(STAMP) ## compile the source folders' bytecode (test, bench, demo and chaos do it first; make venv the packages')
+	$(PY) -m compileall -q -j0 operator tools >/dev/null
 
 build: $(STAMP) ## build etcd, kube-apiserver, kube-controller-manager (helm, KEDA) once, cached outside the clone
 	$(LOCAL) build
