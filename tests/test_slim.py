@@ -92,6 +92,15 @@ def test_whatever_a_status_holds_comes_back_as_it_was(status: dict[str, object])
     assert kept.json()["status"] == status
 
 
+def test_a_status_larger_than_the_deflate_window_comes_back_as_it_was() -> None:
+    """The window is sized for objects of a few KiB; a larger one (a long history of
+    attempts, say) still comes back whole, only deflated less well."""
+    status = {"message": "x" * 40_000, "history": [{"attempt": i, "holder": f"pod-{i}/1"} for i in range(2000)]}
+    kept = slim({**_task({"i": 1}), "status": status})
+    kept.cool()
+    assert kept.json()["status"] == status
+
+
 def test_a_finished_task_deflates_to_a_fraction_of_its_json() -> None:
     """A task held once and closed Succeeded, as the projection writes it: what most Tasks
     kept at depth look like once a queue has drained."""

@@ -35,7 +35,12 @@ from tasklease.protocol import LeaseRecord, record
 KEPT_METADATA = ("name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp")
 # What `record.decode` reads of a Lease's metadata, and the uid (an orphan's removal is conditional on it).
 KEPT_LEASE_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "annotations", "ownerReferences")
-_WBITS = -15  # a raw deflate stream: no header or checksum for data that never leaves memory
+# A raw deflate stream (no header or checksum for data that never leaves memory), with a
+# window and a hash table sized for a dictionary and an object of a few KiB: at zlib's
+# defaults each object would allocate and clear about 256 KiB of state, which costs several
+# times what deflating it does (the window still slides over a larger object).
+_WBITS = -13
+_MEM_LEVEL = 6
 
 
 class _Packer:
@@ -46,7 +51,7 @@ class _Packer:
         self._common = b"".join(_compact(c) for c in common)
 
     def pack(self, obj: JSON) -> bytes:
-        deflate = zlib.compressobj(9, zlib.DEFLATED, _WBITS, 9, zdict=self._common)
+        deflate = zlib.compressobj(9, zlib.DEFLATED, _WBITS, _MEM_LEVEL, zdict=self._common)
         return deflate.compress(_compact(obj)) + deflate.flush()
 
     def unpack(self, packed: bytes) -> JSON:
