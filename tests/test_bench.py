@@ -15,6 +15,7 @@ from tasklease_dev import benchdoc
 from tasklease_dev.bench.harness import cpu_until, ratio
 from tasklease_dev.bench.report import print_report
 from tasklease_dev.bench.results import load, newest_with
+from tasklease_dev.bench.scale import per_minute
 from tasklease_dev.bench.targets import TARGETS, table
 
 # The largest queue the docs promise the chart's defaults hold, and the bench figure measured at it.
@@ -31,6 +32,11 @@ def test_a_workers_cpu_is_read_at_the_cases_end_between_its_marks() -> None:
     assert cpu_until(marks, 12.0) == pytest.approx((1.1, 0.85, 0.6))  # halfway into the wait
     assert cpu_until(marks, 20.0) == pytest.approx((1.2, 0.9, 0.6))  # past the last mark: the last
     assert cpu_until(marks, 9.0) == pytest.approx((0.0, 0.0, 0.0))  # before the clock started
+
+
+def test_the_scale_cases_ramp_counts_completions_minute_by_minute() -> None:
+    assert per_minute([0.0, 59.9, 60.0, 185.0]) == [2, 1, 0, 1]  # a quiet minute is a 0, not left out
+    assert per_minute([]) == []
 
 
 def test_a_ratio_weighs_both_orders_of_a_pair_alike() -> None:
@@ -81,6 +87,13 @@ def test_the_sizing_table_shows_the_newest_scale_run(tmp_path: Path) -> None:
            "kubernetes": "v1.35.4", "sizing": [row]}
     (tmp_path / "2026-02-01-bbbbbbbbbbbb.json").write_text(json.dumps(res))
     assert "| 100,000 | 150 | 0.31 | 61 | 0.05 |" in benchdoc.render_sizing(load(tmp_path))
+    assert "The ramp" not in benchdoc.render_sizing(load(tmp_path))  # a run from before the bench measured it
+    res.update(sizes={"scale": 100000}, cases={"scale-100000": {
+        "done": 100000, "agent_listed_s": [121.4, 130.0, 140.2, 333.9], "agent_lists_cut_short": 1,
+        "done_per_minute": [130, 0, 2900, 3400, 6500]}})
+    (tmp_path / "2026-02-01-bbbbbbbbbbbb.json").write_text(json.dumps(res))
+    assert ("lists of the queue ended from 121 s to 334 s (median 135 s; 1 cut short and made again in pages); "
+            "tasks completed minute by minute: 130, 0, 2,900, 3,400, 6,500.") in benchdoc.render_sizing(load(tmp_path))
     assert "No result file with the scale case" in benchdoc.render_sizing(load(tmp_path / "none"))
 
 

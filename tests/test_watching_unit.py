@@ -139,11 +139,15 @@ def test_a_list_made_again_reports_as_deleted_exactly_what_it_no_longer_brings(
     reflector = Reflector(kube, TASKS, namespace="ns", listener=listener,  # type: ignore[arg-type]
                           field_selector=OPEN, watch_field_selector="spec.queue=q", keep_objects=False,
                           known=(lambda: names) if known else None, watch_list=True)
+    assert reflector.synced_at is None
     assert reflector._stream()
+    first = reflector.synced_at
+    assert first is not None
     kube.listed = [task(n, "2") for n in after]  # listed in the order a set gives, not sorted
     reflector._rv = ""  # as after a 410
     assert reflector._stream()
     assert sorted(deleted) == sorted(before - after) and names == after
+    assert reflector.synced_at == first  # when the view was first whole, not when it was last listed
     assert known or set(reflector.store) == after
 
 

@@ -169,6 +169,13 @@ def render_sizing(results: Loaded) -> str:
     for row in res["sizing"]:
         lines.append(f"| {row['tasks']:,} | {row['operator_rss_mb']:.0f} | {row['operator_cpu_cores']:.2f} | "
                      f"{row['agent_rss_mb']:.0f} | {row['agent_cpu_cores']:.2f} |")
+    deep = res.get("cases", {}).get(f"scale-{res.get('sizes', {}).get('scale')}", {})
+    if deep.get("agent_listed_s") and deep.get("done_per_minute"):
+        listed = deep["agent_listed_s"]
+        lines += ["", f"The ramp at {deep['done']:,} open tasks, from the agents' start: their lists of the queue "
+                  f"ended from {listed[0]:.0f} s to {listed[-1]:.0f} s (median {statistics.median(listed):.0f} s; "
+                  f"{deep['agent_lists_cut_short']} cut short and made again in pages); tasks completed minute by "
+                  f"minute: {', '.join(f'{n:,}' for n in deep['done_per_minute'])}."]
     return "\n".join(lines) + "\n"
 
 

@@ -92,6 +92,7 @@ class Reflector:
         self.batch_s = batch_s
         self.store: dict[str, JSON | tuple[str, str]] = {}
         self.synced = threading.Event()
+        self.synced_at: float | None = None  # when `synced` was set (time.time()): a deep list's length shows here
         self.error: Exception | None = None  # the last failure, until the next success
         self.lists = 0  # full LISTs made: one at start, one more per 410 Gone
         self.watches = 0  # watch requests made: one more each time a stream ends
@@ -265,6 +266,8 @@ class Reflector:
                 self._deliver("DELETED", self._stored(name, self.store.pop(name, None)))
         self._rv = version
         self.error = None
+        if self.synced_at is None:
+            self.synced_at = time.time()
         self.synced.set()
 
     def _watch(self) -> None:

@@ -25,7 +25,8 @@ def at_depth(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Result
     """`depth` Tasks created (parallel raw writes) while the operator runs; once it has seen
     them all, `agents` agent processes start together and drain every one. The figures: each
     agent's start to its first claim, the agents' and the operator's peak memory (VmHWM), the
-    drain rate from the first claim to the last completion, and the CPU each side used."""
+    drain rate from the first claim to the last completion, the CPU each side used, and the
+    ramp: when each agent's list of the queue ended, and the completions minute by minute."""
     op, port = operator(kube, kubeconfig)
     try:
         until(lambda: ready(port), 120, "the operator to be ready")
@@ -72,4 +73,16 @@ def at_depth(kube: Kube, *, kubeconfig: Path, depth: int, agents: int) -> Result
             "agent_lists_cut_short": sum(r["lists_cut_short"] for r in reports),
             "agent_pages_retried": sum(r["pages_retried"] for r in reports),
             "operator_rss_mb": operator_mb, "drain_s": last - started,
+            # How the drain ramps up: when each agent's list of the queue ended, and the tasks
+            # completed in each minute, both from the agents' start.
+            "agent_listed_s": sorted(r["listed"] - started for r in reports if r["listed"] is not None),
+            "done_per_minute": per_minute([t - started for r in reports for t in r["completions"]]),
             "operator_cpu_s": operator_cpu_s, "agent_cpu_s": sum(r["cpu_s"] for r in reports)}
+
+
+def per_minute(offsets: list[float]) -> list[int]:
+    """How many of `offsets` (seconds, none negative) fall in each minute, the first to the last."""
+    counts = [0] * (int(max(offsets, default=-60) // 60) + 1)
+    for offset in offsets:
+        counts[int(offset // 60)] += 1
+    return counts

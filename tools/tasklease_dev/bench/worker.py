@@ -236,8 +236,8 @@ def _wait_for_go() -> None:
 
 def _first(args: argparse.Namespace) -> Results:
     """An agent as it starts in a new pod: no head start, no `go`. It works the queue until
-    it is empty and reports when it first claimed (wall clock), its completions and its peak
-    memory."""
+    it is empty and reports when it first claimed and when its list of the queue ended (wall
+    clock), its completions and its peak memory."""
     agent = Agent(Kube.connect(kubeconfig=args.kubeconfig),
                   identity=Identity(pod=f"bench-{args.index}", instance=f"{os.getpid()}"))
     claim, complete = agent.protocol.claim, agent.protocol.complete
@@ -260,6 +260,7 @@ def _first(args: argparse.Namespace) -> Results:
     done = agent.work("bench", lambda task: "ok", idle_timeout=5.0)
     report = {"done": done, "first_claim": first[0] if first else None, "completions": completions,
               "rss_mb": status_mb("self", "VmHWM"), "cpu_s": cpu_s() - cpu,
+              "listed": agent.watch("bench").task_watch.synced_at,
               "lists_cut_short": agent.watch("bench").task_watch.cut_short,
               "pages_retried": agent.watch("bench").task_watch.retried}
     agent.close()
