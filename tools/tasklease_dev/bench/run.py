@@ -197,12 +197,13 @@ def _bench(args: argparse.Namespace, sections: list[str], state: ClusterState) -
         res[f"agent_rss_mb_{k(args.depth)}"], res[f"agent_sync_s_{k(args.depth)}"] = deep["rss_mb"], deep["sync_s"]
     if section("scale", f"operator on: 500 tasks (twice), {args.scale}, then 500 again, created; 16 agents start "
                         "together and drain each"):
-        at_depth = functools.partial(scale.at_depth, kubeconfig=kubeconfig, agents=16)
+        def drain(depth: int) -> dict[str, Any]:
+            return space(functools.partial(scale.at_depth, kubeconfig=kubeconfig, depth=depth, agents=16))
         # A drain of 500 lasts a few seconds, so its rate swings more from run to run than a
         # drain of 100,000 does: it is the median of three, around the deep one.
-        smalls = [space(functools.partial(at_depth, depth=500)) for _ in range(2)]
-        big = space(functools.partial(at_depth, depth=args.scale))
-        smalls.append(space(functools.partial(at_depth, depth=500)))
+        smalls = [drain(500), drain(500)]
+        big = drain(args.scale)
+        smalls.append(drain(500))
         small = sorted(smalls, key=lambda run: run["rate"])[1]
         suffix = k(args.scale)
         res["cases"]["scale-500"], res["cases"][f"scale-{args.scale}"] = small, big

@@ -258,10 +258,9 @@ def _first(args: argparse.Namespace) -> Results:
     agent.protocol.complete = timed_complete  # type: ignore[method-assign]
     cpu = cpu_s()
     done = agent.work("bench", lambda task: "ok", idle_timeout=5.0)
+    tasks = agent.watch("bench").task_watch
     report = {"done": done, "first_claim": first[0] if first else None, "completions": completions,
-              "rss_mb": status_mb("self", "VmHWM"), "cpu_s": cpu_s() - cpu,
-              "listed": agent.watch("bench").task_watch.synced_at,
-              "lists_cut_short": agent.watch("bench").task_watch.cut_short,
-              "pages_retried": agent.watch("bench").task_watch.retried}
+              "rss_mb": status_mb("self", "VmHWM"), "cpu_s": cpu_s() - cpu, "listed": tasks.synced_at,
+              "lists_cut_short": tasks.cut_short, "pages_retried": tasks.retried}
     agent.close()
     return report
