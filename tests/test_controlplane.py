@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -164,6 +165,42 @@ def test_one_component_restarts_and_down_spares_a_process_that_is_not_its_own(
         if process_alive(real_etcd):
             os.kill(real_etcd, signal.SIGKILL)
 
+
+# What `make bench` and `make chaos` do with their control plane: started, stopped in a
+# `finally`, SIGTERM unwinding the main thread to it (`stop_on_sigterm`).
+_STOPPED_ON_SIGTERM = """
+import sys, time
+from pathlib import Path
+from tasklease_dev.cluster import LocalCluster, stop_on_sigterm
+local = LocalCluster(Path(sys.argv[1]))
+stop_on_sigterm()
+try:
+    print(" ".join(map(str, local.up().pids.values())), flush=True)
+    time.sleep(300)
+finally:
+    local.down()
+"""
+
+
+def test_a_run_stopped_by_sigterm_stops_its_control_plane(cluster: Cluster, tmp_path: Any) -> None:
+    if cluster.version is None:
+        pytest.skip("starts a second local control plane")
+    run = subprocess.Popen([sys.executable, "-c", _STOPPED_ON_SIGTERM, str(tmp_path / "run")],
+                           stdout=subprocess.PIPE, text=True)
+    assert run.stdout is not None
+    pids = [int(pid) for pid in run.stdout.readline().split()]
+    try:
+        assert len(pids) == 3 and all(process_alive(pid) for pid in pids)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not any(process_alive(pid) for pid in pids)
+        assert not (tmp_path / "run" / "etcd-data").exists()
+    finally:
+        run.kill()
+        run.wait()
+        for pid in pids:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 def test_kubectl_finds_tasklease_as_a_plugin(cluster: Cluster, namespace: str) -> None:
     import os

@@ -35,7 +35,7 @@ from typing import Any
 
 from tasklease.api import errors
 from tasklease.api.timestamps import parse_time
-from tasklease_dev.cluster import LocalCluster, audit_files, free_port
+from tasklease_dev.cluster import LocalCluster, audit_files, free_port, stop_on_sigterm
 from tasklease_dev.crds import apply_crds
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
 from tasklease.protocol import LeaseRecord, members, record
@@ -454,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="leave the control plane running afterwards")
     args = p.parse_args(argv)
     chaos = Chaos(args)
+    stop_on_sigterm()
     try:
         chaos.setup()
         try:

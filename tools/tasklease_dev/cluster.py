@@ -50,6 +50,17 @@ _AUDIT_POLICY = {
 }
 
 
+
+def stop_on_sigterm() -> None:
+    """For a command that starts a control plane of its own and stops it on the way out (a
+    `finally`): SIGTERM (a CI timeout, `kill`) then unwinds the main thread as Ctrl-C does, so
+    the control plane and the processes of the run are stopped, not left behind. For a
+    command's main only: it replaces the process's handler."""
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, unwind)
+
+
 @dataclass
 class ClusterState:
     workdir: str

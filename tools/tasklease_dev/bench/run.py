@@ -43,7 +43,7 @@ from tasklease_dev.bench.harness import pairs, ratio, side_by_side
 from tasklease_dev.bench.procs import note
 from tasklease_dev.bench.space import (OBJECTS_CASE, OBJECTS_FIGURE, OBJECTS_WORKERS, OPERATOR_ON_CASES, SPREADS,
                                        in_namespace, operator_on_case, operator_on_events, operator_on_figure)
-from tasklease_dev.cluster import ClusterState, LocalCluster
+from tasklease_dev.cluster import ClusterState, LocalCluster, stop_on_sigterm
 from tasklease_dev.crds import apply_crds
 
 Results = dict[str, Any]
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_dir = Path.cwd() / ".cache" / "bench"
     cluster = LocalCluster(bench_dir / "cluster", bench_dir / "kubeconfig")
     cluster.down()
+    stop_on_sigterm()
     try:
         return _bench(args, sections, cluster.up())
     finally:
