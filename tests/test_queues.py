@@ -179,7 +179,41 @@ def test_agents_may_hold_slots_only_in_their_own_name(
     odd = {**forged, "metadata": {"name": "tasklease-slot.other.0", "labels": {slots.LABEL_SLOT_OF: "shared"}},
            "spec": {"holderIdentity": "bob/1", "leaseDurationSeconds": slots.DURATION_S}}
     assert "named tasklease-slot.<queue>.<number>" in refusal(lambda: bob.create(LEASES, odd))
+    # Nor move a free slot to another queue's semaphore.
     assert slots.release(alice, mine)
+    assert refusal(lambda: bob.merge_patch(LEASES, mine.name, {"metadata": {"labels": {slots.LABEL_SLOT_OF: "other"}}}))
+    assert kube.get(LEASES, mine.name)["metadata"]["labels"][slots.LABEL_SLOT_OF] == "shared"
+
+
+def test_no_agent_can_hold_the_claim_rate_bucket(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path) -> None:
+    """Every agent of a paced queue writes its bucket: one that held it would stop every other
+    agent's claims (their writes refused as the Lease of another pod)."""
+    make_queue(kube, "paced", claimsPerSecond=100)
+    alice, bob = (Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, pod, chart_roles["agent"],
+                                                                   tmp_path))) for pod in ("alice", "bob"))
+    bucket = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+              "metadata": {"name": rate.lease_name("paced"), "labels": {slots.LABEL_SLOT_OF: "paced"}},
+              "spec": {"holderIdentity": "bob/1", "leaseDurationSeconds": slots.DURATION_S}}
+    held_by_no_one = "the claim-rate Lease (tasklease-slot.<queue>.rate) is held by no one"
+
+    def refusal(write: Any) -> str:
+        try:
+            write()
+        except errors.TaskleaseError as exc:
+            return str(exc)
+        return ""
+    wait_for(lambda: held_by_no_one in refusal(lambda: bob.create(LEASES, bucket)),
+             timeout=30, message="the admission policy to be active")
+    # The bucket, made by alice's first token (asked for again while her clock of the server is unsure).
+    wait_for(lambda: rate.take(alice, namespace=namespace, queue="paced", rate=100) == 0.0, timeout=10,
+             message="alice to take a token")
+    assert held_by_no_one in refusal(
+        lambda: bob.merge_patch(LEASES, rate.lease_name("paced"), {"spec": {"holderIdentity": "bob/1"}}))
+    assert not kube.get(LEASES, rate.lease_name("paced"))["spec"].get("holderIdentity")
+    wait_for(lambda: rate.take(alice, namespace=namespace, queue="paced", rate=100) == 0.0, timeout=10,
+             message="alice to take a token from the bucket bob tried to hold")
+    assert kube.get(LEASES, rate.lease_name("paced"))["metadata"]["annotations"][rate.ANN_NEXT]
 
 
 def test_status_columns_and_events(cluster: Cluster, kube: Kube, namespace: str, operator: Operator) -> None:

@@ -351,7 +351,7 @@ def _member() -> list[dict[str, str]]:
 
 def _slot() -> list[dict[str, str]]:
     """A slot Lease (`protocol.slots`, and the claim rate's `protocol.rate`): held only in the agent's
-    own pod's name (`_common`), and nothing else."""
+    own pod's name (`_common`), the claim rate's by no one, and nothing else."""
     def s(expression: str, message: str) -> dict[str, str]:
         return _validation(f"!variables.slot || ({expression})", message)
 
@@ -365,6 +365,10 @@ def _slot() -> list[dict[str, str]]:
           "(or .rate: the queue's claim rate)"),
         s(f"oldObject == null || {_label(slot_of)} == {_label(slot_of, 'oldLabels')}",
           f"the label {slot_of} cannot change"),
+        # Every agent of the queue writes the bucket: one that held it would have every other
+        # agent's write refused (`_common`: held by another pod), and so every claim stopped.
+        s("!object.metadata.name.endsWith('.rate') || variables.newHolder == ''",
+          f"the claim-rate Lease ({slots.PREFIX}<queue>.rate) is held by no one"),
         s(f"!({_str(record.LABEL_MANAGED)} in variables.labels) && "
           f"!({_str(members.LABEL_AGENT_OF)} in variables.labels)",
           "a slot Lease is no task's Lease and no member Lease"),
