@@ -188,8 +188,8 @@ def test_failing_a_free_lease_for_good(arena: Arena) -> None:
 
 def test_claiming_and_closing_a_free_lease_in_one_write(arena: Arena) -> None:
     free = arena.free()
-    refused(put(arena.bob, free, holder="", epoch=free.epoch + 1, outcome="Succeeded", reason="Completed",
-                result="forged"), "a free lease accepts only a claim")
+    refused(put(arena.bob, free, holder=arena.bob_holder, epoch=free.epoch + 1, outcome="Succeeded",
+                reason="Completed", result="forged"), "a free lease accepts only a claim")
 
 
 def test_completing_another_pods_held_lease(arena: Arena) -> None:
@@ -356,6 +356,19 @@ def test_creating_a_claim_at_epoch_zero(arena: Arena) -> None:
     refused(create(arena.bob, claim_of(arena, view, arena.bob_holder, epoch=0, history=())), "only to claim it")
 
 
+@pytest.mark.parametrize(("carries", "message"), [
+    ({"not_before": datetime(2999, 1, 1, tzinfo=UTC)}, "no outcome, reason, result, error, not-before or budget-from"),
+    ({"error": "planted"}, "no outcome, reason, result, error, not-before or budget-from"),
+    ({"budget_from": 1}, "an agent cannot change tasklease.dev/budget-from"),
+], ids=["not-before", "error", "budget-from"])
+def test_creating_a_claim_that_carries_what_only_an_ended_attempt_writes(
+        arena: Arena, carries: dict[str, Any], message: str) -> None:
+    # A not-before would hold the task back from every other agent once freed; an error would
+    # show on the Task as the last attempt's; a budget-from would grant attempts.
+    view = arena.task()
+    refused(create(arena.bob, claim_of(arena, view, arena.bob_holder, **carries)), message)
+
+
 # -- malformed and unbounded fields ---------------------------------------------------------------
 
 
@@ -379,10 +392,23 @@ def test_a_history_longer_than_the_status_keeps(arena: Arena) -> None:
     refused(put(arena.alice, held.record, history=history), f"at most {models.MAX_HISTORY} attempts")
 
 
-def test_a_history_message_longer_than_the_status_allows(arena: Arena) -> None:
+@pytest.mark.parametrize("field", ["holder", "outcome", "message"])
+def test_a_history_field_longer_than_the_status_allows(arena: Arena, field: str) -> None:
     held = arena.held()
-    long = attempt(held.epoch, arena.alice_holder, message="x" * (models.MAX_ERROR_CHARS + 1))
+    limit = models.Attempt.model_fields[field].metadata
+    longest = next(m.max_length for m in limit if getattr(m, "max_length", None) is not None)
+    fields = {"holder": arena.alice_holder, field: "x" * (longest + 1)}
+    long = attempt(held.epoch, **fields)
     refused(put(arena.alice, held.record, history=(long,)), "does not fit Task.status.history")
+
+
+def test_a_history_time_that_is_no_rfc3339_time(arena: Arena) -> None:
+    held = arena.held()
+    lease = arena.raw(held.name)
+    entries = json.loads(lease["metadata"]["annotations"][record.ANN_HISTORY])
+    entries[-1]["claimedAt"] = "yesterday"
+    lease["metadata"]["annotations"][record.ANN_HISTORY] = json.dumps(entries, separators=(",", ":"))
+    refused(put_raw(arena.alice, lease), "times in RFC 3339")
 
 
 def test_a_history_naming_an_attempt_above_the_epoch(arena: Arena) -> None:
@@ -728,6 +754,28 @@ def test_slots_numbered_above_max_running_cover_no_claim(
              message="every claim but the one under slot 0 undone")
     assert record.decode(kube.get(LEASES, "l-0")).holder == holder  # the oldest: the newest go first
 
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"labels": {record.LABEL_MANAGED: "tasklease"}}, "a slot Lease is no task's Lease and no member Lease"),
+    ({"labels": {members.LABEL_AGENT_OF: "q"}}, "a member Lease is named tasklease-agent."),
+    ({"ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "bob", "uid": str(uuid.uuid4())}]},
+     "a slot Lease has no ownerReferences"),
+    ({"leaseDurationSeconds": slots.DURATION_S + 1}, f"a slot Lease's leaseDurationSeconds is {slots.DURATION_S}"),
+], ids=["managed-by", "agent-of", "owner", "duration"])
+def test_a_slot_lease_that_is_more_than_a_slot(arena: Arena, change: dict[str, Any], message: str) -> None:
+    # A task's or a member's label would have the operator or the agents read the slot as one of
+    # those; an owner could have the garbage collector delete it under its holder; a longer
+    # duration would keep it from the operator's freeing of a dead agent's slot for longer.
+    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": slots.slot_name("q", 0), "labels": {slots.LABEL_SLOT_OF: "q"}},
+            "spec": {"holderIdentity": arena.bob_holder, "leaseDurationSeconds": slots.DURATION_S}}
+    body["metadata"]["labels"].update(change.get("labels", {}))
+    if "ownerReferences" in change:
+        body["metadata"]["ownerReferences"] = change["ownerReferences"]
+    if "leaseDurationSeconds" in change:
+        body["spec"]["leaseDurationSeconds"] = change["leaseDurationSeconds"]
+    refused(lambda: arena.bob.create(LEASES, body), message)
 
 def test_a_rate_bucket_time_that_is_no_time(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path) -> None:
