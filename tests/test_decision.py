@@ -47,6 +47,15 @@ def test_a_cancel_closes_the_task() -> None:
     assert action == Close(Phase.CANCELLED, "Cancelled", "cancelled on request (spec.cancel)")
 
 
+def test_a_task_freed_at_the_highest_epoch_is_dead_lettered_for_want_of_one() -> None:
+    freed = replace(held(epoch=record.MAX_EPOCH), holder="", budget_from=record.MAX_EPOCH - 1)
+    action = decision.decide(view(maxAttempts=3), freed, Observed(), NOW, SETTINGS)
+    assert action == Close(Phase.FAILED, "DeadLettered", f"no attempt is left: its epoch reached {record.MAX_EPOCH}")
+    spent = replace(freed, budget_from=0, epoch=3)
+    assert decision.decide(view(maxAttempts=3), spent, Observed(), NOW, SETTINGS) == Close(
+        Phase.FAILED, "DeadLettered", "all 3 attempts are spent")
+
+
 def test_a_held_lease_expires_after_duration_plus_grace_of_one_unchanged_version() -> None:
     seen = Observed(held_since=988.0, silent_s=12.0, sighting=Sighting(1, record.HELD, T0))
     assert decision.decide(view(), held(), seen, Now(T0, 999.9), SETTINGS) is None

@@ -45,6 +45,7 @@ def lease(name: str = "t", *, annotations: dict[str, str] | None = None, holder:
     ({"annotations": {record.ANN_HISTORY: NESTED}}, "history"),
     ({"annotations": {record.ANN_HISTORY: '{"attempt": 1}'}}, "history"),
     ({"annotations": {record.ANN_HISTORY: '[{"attempt": 1, "holder": "' + "h" * 600 + '"}]'}}, "history"),
+    ({"annotations": {record.ANN_HISTORY: f'[{{"attempt": {record.MAX_EPOCH + 1}, "holder": "h"}}]'}}, "history"),
     ({"annotations": {record.ANN_OUTCOME: "Exploded"}}, "outcome"),
     ({"annotations": {record.ANN_NOT_BEFORE: "tomorrow"}}, "timestamp"),
     ({"annotations": {record.ANN_NOT_BEFORE: "2030-01-01T00:00:00"}}, "timestamp"),  # no zone: nobody's clock
@@ -54,7 +55,8 @@ def lease(name: str = "t", *, annotations: dict[str, str] | None = None, holder:
      "too-long"),
     ({"annotations": {record.ANN_REASON: "r" * 65}}, "too-long"),
     ({"holder": "h" * 513}, "too-long"),
-], ids=["history-not-json", "history-nested", "history-not-a-list", "history-overlong-holder", "unknown-outcome",
+], ids=["history-not-json", "history-nested", "history-not-a-list", "history-overlong-holder",
+        "history-attempt-beyond-any-epoch", "unknown-outcome",
         "bad-time", "time-without-zone", "budget-not-a-number", "budget-negative", "result-too-long",
         "reason-too-long", "holder-too-long"])
 def test_a_malformed_lease_is_read_with_what_can_be_used(change: dict[str, Any], reason: str) -> None:
@@ -176,10 +178,10 @@ def _phase(kube: Kube, name: str) -> str:
     return str((kube.get(TASKS, name).get("status") or {}).get("phase", ""))
 
 
-def _bad_lease(kube: Kube, name: str, annotations: dict[str, str], *, holder: str = "") -> None:
+def _bad_lease(kube: Kube, name: str, annotations: dict[str, str], *, holder: str = "", epoch: int = 0) -> None:
     task = kube.get(TASKS, name)
     body = record.encode(LeaseRecord(name=name, namespace=kube.namespace, queue=task["spec"]["queue"],
-                                     owner_uid=task["metadata"]["uid"], holder=holder))
+                                     owner_uid=task["metadata"]["uid"], holder=holder, epoch=epoch))
     body["metadata"]["annotations"] = annotations
     kube.create(LEASES, body)
 
@@ -215,6 +217,30 @@ def test_malformed_leases_stop_neither_a_loop_agent_nor_the_operator(
         agent.stop()
     assert operator.metric("tasklease_malformed_objects_total") >= 4
     assert operator.get("/readyz")[0] == 200
+
+
+def test_a_task_at_the_highest_epoch_is_dead_lettered_and_stops_no_agent(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        operator: Operator) -> None:
+    """No claim can follow epoch 2^31 - 1 (leaseTransitions is an int32), whatever budget a
+    retry granted; an attempt remembered above it was never handed out. Written by hand, such
+    Leases neither stop an agent (a claim the API server refuses as invalid would) nor the queue."""
+    for name in ("last-epoch", "beyond", "after"):
+        make_task(kube, name, queue="e")
+    _bad_lease(kube, "last-epoch", {record.ANN_BUDGET_FROM: str(record.MAX_EPOCH - 1)}, epoch=record.MAX_EPOCH)
+    _bad_lease(kube, "beyond", {record.ANN_HISTORY: f'[{{"attempt":{record.MAX_EPOCH + 1},"holder":"a/b"}}]'})
+    config = agent_pod_kubeconfig(cluster, namespace, "epochs-0", chart_roles["agent"], tmp_path)
+    agent = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "e", "--loop", "--", "echo", "ok"),
+                    log=tmp_path / "agent.log", env={"POD_NAME": "epochs-0"})
+    try:
+        wait_for(lambda: [_phase(kube, n) for n in ("last-epoch", "beyond", "after")] == ["Failed", "Succeeded",
+                                                                                        "Succeeded"],
+                 timeout=60, message=f"the queue done\nagent:\n{agent.output()[-2000:]}")
+        assert agent.proc.poll() is None, agent.output()[-3000:]  # still taking tasks
+    finally:
+        agent.stop()
+    assert (kube.get(TASKS, "last-epoch")["status"]["reason"]) == "DeadLettered"
+    assert "MalformedLease" in _events(kube, "beyond")
 
 
 def test_a_claim_refused_for_what_its_lease_already_is_passes_that_task_over(

@@ -118,6 +118,17 @@ def test_a_lowered_epoch_is_never_handed_out_again() -> None:
     assert blocker(spent, lowered, NOW) is Blocker.SPENT
 
 
+def test_no_claim_is_made_past_the_highest_epoch_a_lease_can_hold() -> None:
+    # leaseTransitions is an int32: a claim at the next epoch would be refused by the API
+    # server, whatever budget `tasklease retry` (budget-from) granted; the task is spent.
+    task = _task(maxAttempts=3)
+    last = _free(task, epoch=record.MAX_EPOCH - 1, budget_from=record.MAX_EPOCH - 2)
+    assert blocker(task, last, NOW) is None
+    assert claimed(task, last, "pod/1", NOW).epoch == record.MAX_EPOCH
+    assert blocker(task, replace(last, epoch=record.MAX_EPOCH), NOW) is Blocker.SPENT
+    assert blocker(replace(task, status_attempt=record.MAX_EPOCH), None, NOW) is Blocker.SPENT  # no Lease left
+
+
 def test_the_patch_keeps_foreign_labels_and_removes_only_ours() -> None:
     rec = replace(_free(_task(), epoch=2), resource_version="17", history=())
     patch = record.encode_patch(rec)

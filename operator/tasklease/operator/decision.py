@@ -21,7 +21,7 @@ from tasklease.api import timestamps
 from tasklease.api.models import Phase
 from tasklease.operator import timeouts
 from tasklease.protocol import LeaseRecord, TaskView, record
-from tasklease.protocol.rules import Blocker, blocker, invalid_payload
+from tasklease.protocol.rules import Blocker, blocker, epochs_spent, invalid_payload
 
 # How far a claim's sighting may precede the time it became claimable, or a holder's
 # not-before may differ from ours, before we act: watch latency, not clock skew.
@@ -121,7 +121,10 @@ def decide(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now, se
         assert view.spec.deadline is not None
         return Close(Phase.FAILED, "DeadlineExceeded", f"deadline {view.spec.deadline.isoformat()} passed")
     if found is Blocker.SPENT and rec is not None:
-        # maxAttempts was lowered below the attempts already made: nobody may claim it again.
+        # maxAttempts was lowered below the attempts already made, or no fencing epoch is left:
+        # nobody may claim it again.
+        if epochs_spent(view, rec):
+            return Close(Phase.FAILED, "DeadLettered", f"no attempt is left: its epoch reached {record.MAX_EPOCH}")
         return Close(Phase.FAILED, "DeadLettered", f"all {view.spec.max_attempts} attempts are spent")
     sighting = seen.sighting
     if rec is not None and rec.state == record.FREE and sighting is not None and sighting.state == record.FREE:

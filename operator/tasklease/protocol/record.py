@@ -39,6 +39,9 @@ OWNED_ANNOTATIONS: Final = (ANN_OUTCOME, ANN_REASON, ANN_RESULT, ANN_ERROR, ANN_
                              ANN_BUDGET_FROM, ANN_POD_BOUND)
 
 FREE, HELD, CLOSED = "free", "held", "closed"
+# A Lease's leaseTransitions is an int32: the highest fencing epoch there can be. An attempt
+# named above it was handed out by no claim.
+MAX_EPOCH: Final = 2**31 - 1
 _DEFAULT_DURATION_S: Final = int(models.TaskSpec.model_fields["lease_duration_seconds"].default)
 # The history annotation in one call each way (cheaper than an Attempt at a time): it is
 # read and written back on every write of a holder.
@@ -177,10 +180,14 @@ def _history(text: str, bad: list[str]) -> tuple[models.Attempt, ...]:
     if not text:
         return ()
     try:
-        return _HISTORY.validate_json(text)
+        history = _HISTORY.validate_json(text)
     except ValueError:  # not JSON, not attempts, or nested past the parser's limit
         bad.append("history")
         return ()
+    if any(entry.attempt > MAX_EPOCH for entry in history):
+        bad.append("history")  # remembered, it would fence every claim out, and fail the status write
+        return ()
+    return history
 
 
 def _strings(value: object) -> dict[str, str]:

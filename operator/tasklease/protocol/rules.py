@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from tasklease.api import models
 from tasklease.api.timestamps import format_time
 from tasklease.kube import JSON
-from tasklease.protocol.record import CLOSED, HELD, LeaseRecord
+from tasklease.protocol.record import CLOSED, HELD, MAX_EPOCH, LeaseRecord
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,12 @@ def blocker(task: TaskView, rec: LeaseRecord | None, now: datetime) -> Blocker |
         return Blocker.PAST_DEADLINE
     if task.spec.not_before is not None and now < task.spec.not_before:
         return Blocker.SCHEDULED
+    if rec is not None and rec.state == HELD:
+        return Blocker.HELD
+    if epochs_spent(task, rec):
+        return Blocker.SPENT
     if rec is None:
         return None
-    if rec.state == HELD:
-        return Blocker.HELD
     if attempts_used(task, rec) >= task.spec.max_attempts:
         return Blocker.SPENT
     if rec.not_before is not None and now < rec.not_before:
@@ -131,6 +133,12 @@ def attempts_made(task: TaskView, rec: LeaseRecord | None) -> int:
     if rec is not None:
         epochs += [rec.epoch, *(a.attempt for a in rec.history)]
     return max(epochs)
+
+
+def epochs_spent(task: TaskView, rec: LeaseRecord | None) -> bool:
+    """No epoch is left to claim with: the next would not fit the Lease's leaseTransitions (a
+    claim written with it would be refused, whatever maxAttempts and `tasklease retry` allow)."""
+    return attempts_made(task, rec) >= MAX_EPOCH
 
 
 def attempts_used(task: TaskView, rec: LeaseRecord) -> int:
