@@ -87,7 +87,10 @@ def test_top_without_a_terminal_points_to_once(tasklease: Any) -> None:
 
 @pytest.mark.parametrize("args", [("claim", "--queue", "q", "--wait", "nan"), ("run", "--queue", "q", "--wait", "-1"),
                                   ("run", "--queue", "q", "--grace", "inf", "--", "true"),
-                                  ("run", "--queue", "q", "--metrics-port", "99999", "--", "true")])
+                                  ("run", "--queue", "q", "--metrics-port", "99999", "--", "true"),
+                                  ("run", "--queue", "q", "--loop", "--concurrency", "0", "--", "true"),
+                                  ("run", "--queue", "q", "--loop", "--concurrency", "99999999999999999999", "--",
+                                   "true")])
 def test_flags_out_of_range_are_bad_flags(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         cli_main.main(list(args))

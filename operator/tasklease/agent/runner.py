@@ -49,13 +49,16 @@ log = logging.getLogger(__name__)
 _DRAIN_S = 2.0
 # Linux refuses a single environment string over 128 KiB (E2BIG); stay well below.
 MAX_ENV_PAYLOAD = 64 * 1024
+# A loop is a thread and a command's process: far more than a pod runs well, and a typo's
+# number of them would take the machine's memory before the first claim.
+MAX_CONCURRENCY = 1000
 
 
 class Runner:
     def __init__(self, agent: Agent, *, queue: str, argv: Sequence[str], grace_s: float = 10.0,
                  concurrency: int = 1, drain: bool = False, timeout_s: float | None = None) -> None:
-        if concurrency < 1:
-            raise errors.Invalid(f"--concurrency must be at least 1, not {concurrency}")
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise errors.Invalid(f"--concurrency must be 1 to {MAX_CONCURRENCY}, not {concurrency}")
         self.agent = agent
         self.queue = queue
         self.argv = list(argv)

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tasklease.agent.runner import MAX_CONCURRENCY
 from tasklease.api import errors, models
 from tasklease.api.build import version
 from tasklease.cli import completion, output
@@ -53,6 +54,16 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"not a port number (0 to 65535): {text!r}")
+    return value
+
+
+def _concurrency(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of commands: {text!r}") from None
+    if not 1 <= value <= MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(f"not a number of commands (1 to {MAX_CONCURRENCY}): {text!r}")
     return value
 
 
@@ -234,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", action="store_true", help="keep taking tasks until stopped")
     p.add_argument("--wait", type=_seconds, help="seconds to wait for a task (default: once: none; --loop: forever)")
     p.add_argument("--grace", type=_seconds, default=10.0, help="seconds between SIGTERM and SIGKILL (default 10)")
-    p.add_argument("--concurrency", type=int, default=1, metavar="N",
-                   help="with --loop: run up to N commands at a time (default 1)")
+    p.add_argument("--concurrency", type=_concurrency, default=1, metavar="N",
+                   help=f"with --loop: run up to N commands at a time, 1 to {MAX_CONCURRENCY} (default 1)")
     p.add_argument("--drain", action="store_true",
                    help="on SIGTERM, claim no more and let running commands finish within --grace; exit 0")
     p.add_argument("--timeout", type=_seconds, metavar="SECONDS",
