@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from tasklease.api import errors, models
+from tasklease.operator import options
 
 pytestmark = pytest.mark.unit
 
@@ -97,6 +99,47 @@ def test_flags_out_of_range_are_bad_flags(args: tuple[str, ...], capsys: pytest.
     assert exited.value.code == 2 and "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [("list", "--bogus"), ("claim",), ("completion", "fish"), ("list", "-n", "../x"),
+                                  ("get", "-n", "UPPER", "t"), ("-n", "", "list"), ("list", "-o", "bogus")])
+def test_a_bad_flag_is_one_line_that_points_to_help(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli_main.main(list(args))
+    err = capsys.readouterr().err
+    assert exited.value.code == errors.BadArguments.exit_code
+    assert len(err.strip().splitlines()) == 1 and "--help)" in err, err
+
+
+def test_an_argument_that_is_not_utf8_is_a_bad_flag(tasklease: Any) -> None:
+    for args in (("get", "a\udcffb"), ("submit", "--queue", "q", "--payload", '{"a": "\udcff"}')):
+        code, err = tasklease(*args)
+        assert code == errors.BadArguments.exit_code and "not UTF-8 text: " in err and "\\xff" in err
+
+
+@pytest.mark.parametrize(("document", "why"), [
+    ("payload: {when: 2020-01-01}", "is not JSON: Object of type date"),
+    ("payload: {x: !!binary aGk=}", "is not JSON: Object of type bytes"),
+    ("payload: {x: .nan}", "is not JSON: Out of range float"),
+    ("payload: &a [*a]", "is not JSON: Circular reference"),
+])
+def test_a_document_json_cannot_say_is_refused_by_name(tasklease: Any, tmp_path: Path, document: str,
+                                                       why: str) -> None:
+    (tmp_path / "t.yaml").write_text(f"kind: Task\nmetadata: {{name: t}}\nspec: {{queue: q, {document}}}\n")
+    code, err = tasklease("submit", "-f", str(tmp_path / "t.yaml"))
+    assert code == errors.Invalid.exit_code and "document 1 of" in err and why in err, err
+
+
+def test_a_document_in_a_namespace_no_namespace_can_have(tasklease: Any, tmp_path: Path) -> None:
+    (tmp_path / "t.yaml").write_text("kind: Task\nmetadata: {name: t, namespace: [x]}\nspec: {queue: q}\n")
+    code, err = tasklease("submit", "-f", str(tmp_path / "t.yaml"))
+    assert code == errors.Invalid.exit_code and "is not a namespace name" in err
+
+
+@pytest.mark.parametrize("payload", ['{"a": NaN}', '{"a": Infinity}', "[-Infinity]"])
+def test_a_payload_json_cannot_say(tasklease: Any, payload: str) -> None:
+    code, err = tasklease("submit", "--queue", "q", "--payload", payload)
+    assert code == errors.Invalid.exit_code and "payload is not valid JSON" in err and "is not JSON" in err
+
+
 def test_a_command_run_cannot_start_claims_nothing(tasklease: Any, tmp_path: Path) -> None:
     """Looked for before the first claim (the kubeconfig's server is never asked)."""
     code, err = tasklease("run", "--queue", "q", "--loop", "--", str(tmp_path / "send-emial.sh"))
@@ -117,3 +160,16 @@ def test_claim_waits_for_an_unreachable_server_no_longer_than_asked(tasklease: A
     code, err = tasklease("claim", "--queue", "q", "--wait", "2")
     assert code == errors.Unreachable.exit_code and "cannot reach" in err
     assert time.monotonic() - began < 15
+
+
+@pytest.mark.parametrize(("flags", "why"), [
+    (("--coalesce", "nan"), "--coalesce must be a number of seconds"), (("--coalesce", "-1"), "--coalesce must be"),
+    (("--grace", "inf"), "--grace must be >= 0"), (("--workers", "99999999999"), "--workers must be 1 to"),
+    (("--leader-election-lease-duration", "nan"), "--leader-election-lease-duration must be"),
+    (("-n", "../x"), "is not a namespace name"),
+])
+def test_operator_settings_that_cannot_work_are_refused_at_start(flags: tuple[str, ...], why: str) -> None:
+    parser = argparse.ArgumentParser()
+    options.add_operator_arguments(parser)
+    with pytest.raises(errors.Invalid, match=re.escape(why)):
+        options.validate(parser.parse_args(list(flags)))

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from tasklease.agent.runner import MAX_CONCURRENCY
 from tasklease.api import errors, models
@@ -57,6 +57,12 @@ def _port(text: str) -> int:
     return value
 
 
+def _namespace(text: str) -> str:
+    if not models.is_namespace(text):
+        raise argparse.ArgumentTypeError(f"not a namespace name (a DNS label): {text!r}")
+    return text
+
+
 def _concurrency(text: str) -> int:
     try:
         value = int(text)
@@ -71,7 +77,21 @@ def _concurrency(text: str) -> int:
 _SPEC = models.TaskSpec(queue="q")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line too, as every other error is: the usage is one --help away."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(errors.BadArguments.exit_code, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for arg in argv:
+        if not _utf8(arg):
+            # Bytes the locale could not decode: no name, queue or payload is made of them.
+            shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            print(f"tasklease: error: an argument is not UTF-8 text: {shown}", file=sys.stderr)
+            return errors.BadArguments.exit_code
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO if args.command in ("run", "operator")
@@ -98,6 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _add_common(p: argparse.ArgumentParser, *, sub: bool, namespace: bool = True,
                 namespace_default: str = "the kubeconfig context's, or the pod's") -> None:
     """The global flags. On a subcommand they default to SUPPRESS, so `tasklease -n NS list`
@@ -110,11 +138,11 @@ def _add_common(p: argparse.ArgumentParser, *, sub: bool, namespace: bool = True
     else:
         p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     if namespace:
-        p.add_argument("-n", "--namespace", help=f"namespace (default: {namespace_default})", **kw)
+        p.add_argument("-n", "--namespace", type=_namespace, help=f"namespace (default: {namespace_default})", **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tasklease", description="Give every unit of work exactly one current owner, on Kubernetes.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"tasklease {version()}")

@@ -196,7 +196,7 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     try:
         text = read_text(args.payload_file) if args.payload_file else args.payload
         if text:
-            payload = json.loads(text)
+            payload = json.loads(text, parse_constant=_not_json)
     except ValueError as exc:
         raise errors.Invalid(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
@@ -214,6 +214,11 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         spec["backoff"] = backoff
     meta = {"name": args.name} if args.name else {"generateName": f"{args.queue}-"}
     return {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND, "metadata": meta, "spec": spec}
+
+
+def _not_json(constant: str) -> Any:
+    """What Python's json reads and JSON has not: NaN, Infinity, -Infinity."""
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _task_files(paths: list[str]) -> list[tuple[str, Any]]:
@@ -236,6 +241,15 @@ def _check(body: Any, where: str) -> None:
     unclaimable later)."""
     if not isinstance(body, dict) or not all(isinstance(body.get(k) or {}, dict) for k in ("metadata", "spec")):
         raise errors.Invalid(f"{where} is not a Task object")
+    try:
+        # What YAML reads and JSON cannot say (a date, binary, NaN, an anchor that holds itself),
+        # and Python's json would otherwise send as it is (NaN, Infinity): refused here, by name.
+        json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise errors.Invalid(f"{where} is not JSON: {first_line(str(exc))}") from None
+    namespace = (body.get("metadata") or {}).get("namespace")
+    if namespace is not None and not models.is_namespace(namespace):
+        raise errors.Invalid(f"{where}: {namespace!r} is not a namespace name")
     depth = models.payload_depth((body.get("spec") or {}).get("payload"))
     if depth > models.MAX_PAYLOAD_DEPTH:
         raise errors.Invalid(f"{where}: the payload nests {depth} levels deep, more than {models.MAX_PAYLOAD_DEPTH}")

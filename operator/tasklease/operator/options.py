@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 
-from tasklease.api import errors
+from tasklease.api import errors, models
 from tasklease.operator.expiry import DEFAULT_GRACE_S
 from tasklease.operator.logs import FORMATS
 
 # Reconcile threads. A reconcile mostly waits for its status write, so a few threads keep
 # projection behind a loaded API server from falling behind the agents.
 DEFAULT_WORKERS = 8
+MAX_WORKERS = 256  # a thread each: more would only contend for the API server and the GIL
 DEFAULT_COALESCE_S = 0.5  # `Reconciler.coalesce_s` for the command; the class itself coalesces nothing unless told
 
 
@@ -56,7 +58,10 @@ def validate(args: argparse.Namespace) -> None:
     """Refuse a configuration that cannot work, once, at start, with the reason."""
     if args.all_namespaces and args.namespaces:
         raise errors.Invalid("--all-namespaces and --namespace exclude each other")
-    if args.grace < 0:
+    for namespace in args.namespaces or ():
+        if not models.is_namespace(namespace):
+            raise errors.Invalid(f"--namespace {namespace!r} is not a namespace name (a DNS label)")
+    if not math.isfinite(args.grace) or args.grace < 0:
         # An agent gives up at 2/3 of leaseDurationSeconds (its renew deadline); the operator
         # expires at leaseDurationSeconds + grace. A negative grace could expire a holder that
         # still believes it holds its task.
@@ -66,10 +71,13 @@ def validate(args: argparse.Namespace) -> None:
         raise errors.Invalid(f"--ttl-seconds-after-finished must be >= 0 (got {args.ttl_seconds_after_finished})")
     if args.attempt_timeout is not None and args.attempt_timeout < 1:
         raise errors.Invalid(f"--attempt-timeout must be at least 1 second (got {args.attempt_timeout})")
-    if args.workers < 1:
-        raise errors.Invalid(f"--workers must be at least 1 (got {args.workers})")
+    if not math.isfinite(args.coalesce) or args.coalesce < 0:
+        raise errors.Invalid(f"--coalesce must be a number of seconds, 0 or more (got {args.coalesce:g})")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise errors.Invalid(f"--workers must be 1 to {MAX_WORKERS} (got {args.workers})")
     if not 0 <= args.http_port <= 65535:
         raise errors.Invalid(f"--http-port must be a port number or 0 (got {args.http_port})")
-    if args.leader_elect and args.leader_election_lease_duration < 1:
+    if args.leader_elect and not (math.isfinite(args.leader_election_lease_duration)
+                                  and args.leader_election_lease_duration >= 1):
         raise errors.Invalid(f"--leader-election-lease-duration must be at least 1 second "
                              f"(got {args.leader_election_lease_duration:g})")
