@@ -109,6 +109,18 @@ def test_a_bad_flag_is_one_line_that_points_to_help(args: tuple[str, ...], capsy
     assert len(err.strip().splitlines()) == 1 and "--help)" in err, err
 
 
+@pytest.mark.parametrize(("args", "why"), [
+    (("submit",), "submit needs --queue"), (("retry",), "retry needs task names"),
+    (("retry", "t", "--queue", "q"), "not both"), (("run", "--queue", "q"), "run needs a command"),
+    (("renew", "t"), "need the task name, --holder and --epoch"),
+    (("run", "--queue", "q", "--timeout", "0", "--", "true"), "--timeout must be more than 0 seconds"),
+])
+def test_flags_missing_or_at_odds_are_bad_flags_before_any_request(tasklease: Any, args: tuple[str, ...],
+                                                                  why: str) -> None:
+    code, err = tasklease(*args)
+    assert code == errors.BadArguments.exit_code and why in err, err
+
+
 def test_an_argument_that_is_not_utf8_is_a_bad_flag(tasklease: Any) -> None:
     for args in (("get", "a\udcffb"), ("submit", "--queue", "q", "--payload", '{"a": "\udcff"}')):
         code, err = tasklease(*args)

@@ -293,5 +293,5 @@ def test_tasklease_run_stops_a_command_past_its_timeout_and_fails_the_attempt(
         assert "timed out after 1s" in ran.stderr, ran.stderr
     refused = subprocess.run(tasklease_cmd("run", "--queue", "rt", "--timeout", "0", "--", "true"),
                              capture_output=True, text=True, timeout=60, env=env)
-    assert refused.returncode == errors.Invalid.exit_code
+    assert refused.returncode == errors.BadArguments.exit_code
     assert "--timeout must be more than 0 seconds" in refused.stderr and "Traceback" not in refused.stderr

@@ -24,8 +24,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     """Each task is reported on its own line and the others go on: a name that exists with the
     same spec is the same task submitted again (names are idempotency keys), exit 0; one that
     exists with another spec, or is refused, is named and makes the exit code non-zero."""
-    kube = kube_of(args)
     bodies = _task_files(args.filename) if args.filename else [("--queue and the flags", _task_from_flags(args))]
+    kube = kube_of(args)
     worst = 0
     for where, body in bodies:
         meta = body.get("metadata") if isinstance(body, dict) else None
@@ -161,19 +161,20 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 def cmd_retry(args: argparse.Namespace) -> int:
     """Redrive: each Failed task gets maxAttempts more claims (one Lease write each); the
     operator then projects it back to Pending and agents claim it. Reports every task."""
+    selects = bool(args.queue or args.selector or args.reason)
+    if args.names and selects:
+        raise errors.BadArguments("retry takes task names or --queue/-l/--reason, not both")
+    if not args.names and not selects:
+        raise errors.BadArguments("retry needs task names, or --queue, -l or --reason to select Failed tasks")
     kube = kube_of(args)
     protocol = Protocol(kube)
     if args.names:
-        if args.queue or args.selector or args.reason:
-            raise errors.Invalid("retry takes task names or --queue/-l/--reason, not both")
         tasks = [kube.get(TASKS, name) for name in args.names]
-    elif args.queue or args.selector or args.reason:
+    else:
         field = ",".join([f"status.phase={models.Phase.FAILED.value}", *([f"spec.queue={args.queue}"]
                                                                       if args.queue else [])])
         tasks = [t for t in kube.list(TASKS, label_selector=args.selector, field_selector=field)["items"]
                  if args.reason is None or (t.get("status") or {}).get("reason") == args.reason]
-    else:
-        raise errors.Invalid("retry needs task names, or --queue, -l or --reason to select Failed tasks")
     worst = 0
     for task in sorted(tasks, key=lambda t: t["metadata"]["name"]):
         view = TaskView.of(task)
@@ -191,7 +192,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     if not args.queue:
-        raise errors.Invalid("submit needs --queue (or -f FILE)")
+        raise errors.BadArguments("submit needs --queue (or -f FILE)")
     payload: Any = {}
     try:
         text = read_text(args.payload_file) if args.payload_file else args.payload

@@ -96,15 +96,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        raise errors.Invalid("run needs a command: tasklease run --queue Q -- CMD ARGS...")
+        raise errors.BadArguments("run needs a command: tasklease run --queue Q -- CMD ARGS...")
     if args.timeout is not None and args.timeout <= 0:
-        raise errors.Invalid(f"--timeout must be more than 0 seconds (got {args.timeout:g})")
+        raise errors.BadArguments(f"--timeout must be more than 0 seconds (got {args.timeout:g})")
     metrics = AgentMetrics() if args.metrics_port is not None else None
     if metrics is not None:
         try:
             metrics.serve(args.metrics_port, args.metrics_host)
         except OSError as exc:
-            raise errors.Invalid(f"--metrics-port {args.metrics_port}: {exc.strerror or exc}") from None
+            raise errors.Invalid(f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_host}: "
+                                 f"{exc.strerror or exc}") from None
     kube = kube_of(args)
     # Leaving the block leaves the queue: our peers divide our share at once.
     with (Agent(kube, identity=Identity.from_environment(), metrics=metrics) as agent,
@@ -131,7 +132,7 @@ def _no_such_namespace_is_not_found(kube: Kube) -> Iterator[None]:
 
 def _held_by_args(args: argparse.Namespace) -> tuple[Kube, Protocol]:
     if not args.name or not args.holder or args.epoch is None:
-        raise errors.Invalid("need the task name, --holder and --epoch (or TASKLEASE_TASK, TASKLEASE_HOLDER "
+        raise errors.BadArguments("need the task name, --holder and --epoch (or TASKLEASE_TASK, TASKLEASE_HOLDER "
                              "and TASKLEASE_EPOCH) as printed by `tasklease claim`")
     # Like the name, holder and epoch: the namespace `claim --format env` printed, unless -n says.
     args.namespace = args.namespace or os.environ.get("TASKLEASE_NAMESPACE") or None
