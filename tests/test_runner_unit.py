@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from tasklease.agent.runner import Runner
+from tasklease.agent.runner import Runner, _payload_file
 from tasklease.api import errors, models
 from tasklease.api.models import TaskSpec
 from tasklease.testing import FakeCluster
@@ -82,3 +82,8 @@ def test_a_drain_lets_the_running_command_finish_and_exits_0(tmp_path: Path) -> 
     first, second = (cluster.producer().get(n).status for n in ("first", "second"))
     assert (first.phase, first.result) == (models.Phase.SUCCEEDED, "done")
     assert second.phase is models.Phase.PENDING and second.attempt == 0  # never claimed: the drain began
+
+
+def test_the_payload_file_of_a_task_with_the_longest_name() -> None:
+    with _payload_file('{"a": 1}', "t" * 253) as path:
+        assert path is not None and Path(path).read_text() == '{"a": 1}'

@@ -274,7 +274,8 @@ def _payload_file(payload: str, name: str) -> Iterator[str | None]:
     """The payload in a temporary file, for commands that want a path; None where no temporary
     directory is writable (a read-only root without an emptyDir at /tmp): stdin still has it."""
     try:
-        handle = tempfile.NamedTemporaryFile("w", prefix=f"tasklease-{name}-", suffix=".json")
+        # A task's name is up to 253 characters; a file's, 255 with the random part and suffix.
+        handle = tempfile.NamedTemporaryFile("w", prefix=f"tasklease-{name[:200]}-", suffix=".json")
     except OSError as exc:
         log.warning("no payload file (%s): the payload is on stdin only", exc)
         yield None

@@ -10,9 +10,9 @@ from tasklease.api import errors
 from tasklease.kube import Kube
 
 
-def kube_of(args: argparse.Namespace) -> Kube:
-    kube = Kube.connect(kubeconfig=args.kubeconfig, context=args.context, namespace=args.namespace)
-    return kube
+def kube_of(args: argparse.Namespace, *, pool_size: int = 16) -> Kube:
+    return Kube.connect(kubeconfig=args.kubeconfig, context=args.context, namespace=args.namespace,
+                        pool_size=pool_size)
 
 
 def first_line(text: str) -> str:

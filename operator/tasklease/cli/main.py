@@ -63,6 +63,15 @@ def _namespace(text: str) -> str:
     return text
 
 
+def _queue(text: str) -> str:
+    """A queue to select by: a name no task's queue can have would select nothing (or leak the
+    field selector's syntax into the API server's answer)."""
+    try:
+        return models.check_queue(text)
+    except errors.Invalid as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _concurrency(text: str) -> int:
     try:
         value = int(text)
@@ -187,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("list", "list tasks, as a table or in another format; --watch follows changes", cmd_list,
                 "tasklease list --queue emails --phase Failed -o wide")
-    p.add_argument("--queue", help="only this queue (filtered by the API server)")
+    p.add_argument("--queue", type=_queue, help="only this queue (filtered by the API server)")
     p.add_argument("--phase", choices=[ph.value for ph in models.Phase],
                    help="only this phase (Pending includes tasks the operator has not seen yet)")
     p.add_argument("-l", "--selector", default="", help="label selector, e.g. team=shop")
@@ -251,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("retry", "give Failed (dead-lettered) tasks a fresh budget of attempts; history and epoch stay",
                 cmd_retry, "tasklease retry --queue emails --reason DeadLettered")
     p.add_argument("names", nargs="*", metavar="NAME", help="tasks to retry (or select them with the flags)")
-    p.add_argument("--queue", help="every Failed task of this queue")
+    p.add_argument("--queue", type=_queue, help="every Failed task of this queue")
     p.add_argument("-l", "--selector", default="", help="only Failed tasks with these labels")
     p.add_argument("--reason", help="only Failed tasks with this status.reason, e.g. DeadLettered")
 

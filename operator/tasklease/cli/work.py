@@ -106,7 +106,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise errors.Invalid(f"--metrics-port {args.metrics_port}: cannot listen on {args.metrics_host}: "
                                  f"{exc.strerror or exc}") from None
-    kube = kube_of(args)
+    # A connection for each loop's requests (its renewals run beside them), beyond the agent's
+    # own: fewer, and urllib3 warns of a full pool at every request past it.
+    kube = kube_of(args, pool_size=16 + 2 * args.concurrency)
     # Leaving the block leaves the queue: our peers divide our share at once.
     with (Agent(kube, identity=Identity.from_environment(), metrics=metrics) as agent,
           _no_such_namespace_is_not_found(kube)):
