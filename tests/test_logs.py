@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from conftest import Operator
 from test_chart import CHART, _helm, by_kind, render
-from tasklease.operator.logs import JsonFormatter
+from tasklease.operator.logs import JsonFormatter, TextFormatter
 
 
 def test_a_record_with_a_traceback_is_one_json_line() -> None:
@@ -25,6 +25,16 @@ def test_a_record_with_a_traceback_is_one_json_line() -> None:
     assert parsed["level"] == "error" and parsed["logger"] == "tasklease.operator"
     assert parsed["message"] == "task shop/t1: failed"
     assert parsed["time"].endswith("Z") and "ValueError: boom" in parsed["exception"]
+
+
+def test_what_an_agent_wrote_cannot_start_a_text_line_of_its_own() -> None:
+    holder = "evil\nWARNING tasklease.operator: forged\r\x07\u2028/1"
+    record = logging.LogRecord("tasklease.operator", logging.WARNING, __file__, 1, "lease %s: expired", (holder,),
+                               None)
+    line = TextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+    assert line == ("WARNING tasklease.operator: lease evil\\nWARNING tasklease.operator: forged"
+                    "\\r\\x07\\u2028/1: expired")
+    assert len(line.splitlines()) == 1
 
 
 def test_the_operator_logs_json_lines(operator_factory: Callable[..., Operator]) -> None:
