@@ -103,6 +103,8 @@ def test_the_command_is_terminated_the_moment_ownership_is_lost(
     assert "lost" in agent.output().splitlines()[-1]
     wait_for(lambda: (kube.get(TASKS, "doomed").get("status") or {}).get("phase") == "Cancelled",
              message="the task to be Cancelled")
+    again = cli("cancel", "doomed")
+    assert again.returncode == 0 and "already Cancelled: nothing to cancel" in again.stdout
 
 
 def test_a_failing_command_is_retried_then_dead_lettered(cli, kube: Kube) -> None:  # type: ignore[no-untyped-def]

@@ -101,7 +101,8 @@ def test_flags_out_of_range_are_bad_flags(args: tuple[str, ...], capsys: pytest.
 
 @pytest.mark.parametrize("args", [("list", "--bogus"), ("claim",), ("completion", "fish"), ("list", "-n", "../x"),
                                   ("get", "-n", "UPPER", "t"), ("-n", "", "list"), ("list", "-o", "bogus"),
-                                  ("list", "--queue", "x=y"), ("retry", "--queue", "a,b")])
+                                  ("list", "--queue", "x=y"), ("retry", "--queue", "a,b"), ("pause", "UPPER"),
+                                  ("resume", "x" * 64)])
 def test_a_bad_flag_is_one_line_that_points_to_help(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         cli_main.main(list(args))
@@ -115,6 +116,7 @@ def test_a_bad_flag_is_one_line_that_points_to_help(args: tuple[str, ...], capsy
     (("retry", "t", "--queue", "q"), "not both"), (("run", "--queue", "q"), "run needs a command"),
     (("renew", "t"), "need the task name, --holder and --epoch"),
     (("run", "--queue", "q", "--timeout", "0", "--", "true"), "--timeout must be more than 0 seconds"),
+    (("submit", "--queue", "q", "--name", ""), "--name is empty"),
 ])
 def test_flags_missing_or_at_odds_are_bad_flags_before_any_request(tasklease: Any, args: tuple[str, ...],
                                                                   why: str) -> None:
@@ -139,6 +141,13 @@ def test_a_document_json_cannot_say_is_refused_by_name(tasklease: Any, tmp_path:
     (tmp_path / "t.yaml").write_text(f"kind: Task\nmetadata: {{name: t}}\nspec: {{queue: q, {document}}}\n")
     code, err = tasklease("submit", "-f", str(tmp_path / "t.yaml"))
     assert code == errors.Invalid.exit_code and "document 1 of" in err and why in err, err
+
+
+def test_files_without_a_task_submit_nothing_and_say_so(tasklease: Any, tmp_path: Path) -> None:
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "dashes.yaml").write_text("---\n---\n")
+    code, err = tasklease("submit", "-f", str(tmp_path / "empty.yaml"), "-f", str(tmp_path / "dashes.yaml"))
+    assert code == errors.Invalid.exit_code and "no Task in" in err and "nothing submitted" in err
 
 
 def test_a_document_in_a_namespace_no_namespace_can_have(tasklease: Any, tmp_path: Path) -> None:

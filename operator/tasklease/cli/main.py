@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_pause),
             ("resume", "let agents claim from a paused queue again", cmd_resume)):
         p = command(name, help, handler, f"tasklease {name} emails")
-        p.add_argument("queue", help="the queue (its TaskQueue has its name)")
+        p.add_argument("queue", type=_queue, help="the queue (its TaskQueue has its name)")
 
     p = command("top", "a live view of the queues: counts, rates, oldest pending, slowest running, holders",
                 cmd_top, "tasklease top -A")

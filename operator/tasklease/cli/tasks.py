@@ -144,8 +144,11 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     kube = kube_of(args)
-    kube.merge_patch(TASKS, args.name, {"spec": {"cancel": True}})
-    print(f"task/{args.name} cancel requested")
+    task = kube.merge_patch(TASKS, args.name, {"spec": {"cancel": True}})
+    phase = (task.get("status") or {}).get("phase")
+    # The request stays on the Task either way; a finished one has nothing left to cancel.
+    print(f"task/{args.name} already {phase}: nothing to cancel" if phase in models.TERMINAL_PHASES
+          else f"task/{args.name} cancel requested")
     return 0
 
 
@@ -213,6 +216,8 @@ def _task_from_flags(args: argparse.Namespace) -> dict[str, Any]:
                                  ("policy", args.backoff_policy), ("jitter", args.backoff_jitter)) if v is not None}
     if backoff:
         spec["backoff"] = backoff
+    if args.name == "":
+        raise errors.BadArguments("--name is empty: give the task's name (its idempotency key), or leave the flag out")
     meta = {"name": args.name} if args.name else {"generateName": f"{args.queue}-"}
     return {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND, "metadata": meta, "spec": spec}
 
@@ -233,6 +238,8 @@ def _task_files(paths: list[str]) -> list[tuple[str, Any]]:
             raise errors.Invalid(f"cannot read {path}: {first_line(str(exc))}") from None
         except RecursionError:
             raise errors.Invalid(f"cannot read {path}: it nests deeper than a Task can") from None
+    if not docs:
+        raise errors.Invalid(f"no Task in {', '.join(paths)}: nothing submitted")
     return docs
 
 
