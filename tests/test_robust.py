@@ -66,6 +66,15 @@ def test_a_malformed_lease_is_read_with_what_can_be_used(change: dict[str, Any],
     assert rec.budget_from >= 0
 
 
+def test_a_state_label_that_is_not_the_leases_state_is_malformed() -> None:
+    body = lease()
+    assert "state-label" not in record.decode(body).malformed
+    body["metadata"]["labels"][record.LABEL_STATE] = "weird"  # hides a free Lease from the agents' watch
+    assert "state-label" in record.decode(body).malformed
+    del body["metadata"]["labels"][record.LABEL_STATE]
+    assert "state-label" in record.decode(body).malformed
+
+
 def test_a_lease_without_labels_annotations_or_owner_is_read_as_foreign() -> None:
     body = lease(labels=False)
     body["metadata"].pop("ownerReferences")
@@ -178,32 +187,36 @@ def _phase(kube: Kube, name: str) -> str:
     return str((kube.get(TASKS, name).get("status") or {}).get("phase", ""))
 
 
-def _bad_lease(kube: Kube, name: str, annotations: dict[str, str], *, holder: str = "", epoch: int = 0) -> None:
+def _bad_lease(kube: Kube, name: str, annotations: dict[str, str], *, holder: str = "", epoch: int = 0,
+               state_label: str = "") -> None:
     task = kube.get(TASKS, name)
     body = record.encode(LeaseRecord(name=name, namespace=kube.namespace, queue=task["spec"]["queue"],
                                      owner_uid=task["metadata"]["uid"], holder=holder, epoch=epoch))
     body["metadata"]["annotations"] = annotations
+    if state_label:
+        body["metadata"]["labels"][record.LABEL_STATE] = state_label
     kube.create(LEASES, body)
 
 
 def test_malformed_leases_stop_neither_a_loop_agent_nor_the_operator(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
         operator: Operator) -> None:
-    for name in ("bad-history", "nested", "unknown-outcome", "bad-time", "fine"):
+    for name in ("bad-history", "nested", "unknown-outcome", "bad-time", "bad-state", "fine"):
         make_task(kube, name, queue="r")
     _bad_lease(kube, "bad-history", {record.ANN_HISTORY: "not json"})
+    _bad_lease(kube, "bad-state", {}, state_label="weird")  # by hand: invisible to the agents' watch
     _bad_lease(kube, "nested", {record.ANN_HISTORY: NESTED})
     _bad_lease(kube, "unknown-outcome", {record.ANN_OUTCOME: "Exploded"})
     _bad_lease(kube, "bad-time", {record.ANN_NOT_BEFORE: "soon"})
     # Reported when the operator first sees them: an agent started sooner may claim one first,
     # and its claim writes the Lease anew.
-    for name in ("bad-history", "nested", "unknown-outcome", "bad-time"):
+    for name in ("bad-history", "nested", "unknown-outcome", "bad-time", "bad-state"):
         wait_for(lambda name=name: "MalformedLease" in _events(kube, name), timeout=30,  # type: ignore[misc]
                  message=f"the operator to report {name}'s Lease")
     config = agent_pod_kubeconfig(cluster, namespace, "looper-0", chart_roles["agent"], tmp_path)
     agent = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "r", "--loop", "--", "echo", "ok"),
                     log=tmp_path / "agent.log", env={"POD_NAME": "looper-0"})
-    names = ("bad-history", "nested", "unknown-outcome", "bad-time", "fine")
+    names = ("bad-history", "nested", "unknown-outcome", "bad-time", "bad-state", "fine")
     try:
         try:
             wait_for(lambda: all(_phase(kube, n) == "Succeeded" for n in names), timeout=60,

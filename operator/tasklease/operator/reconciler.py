@@ -283,11 +283,13 @@ class Reconciler:
             unreadable = bool(set(rec.malformed) & set(record.DROPPED_REASONS))
             # Written back without what could not be read, so that agents (and the admission
             # policy) see a Lease they can judge; or labelled with its Task's queue, which the
-            # claim that created it chose (the policy cannot read the Task): the task's own
-            # queue's agents then see it again.
-            if unreadable or rec.queue != view.spec.queue:
+            # claim that created it chose (the policy cannot read the Task), or with its state
+            # (a hand edit): the task's own queue's agents then see it again.
+            if unreadable or rec.queue != view.spec.queue or "state-label" in rec.malformed:
                 log.warning("lease %s/%s: writing it back %s", rec.namespace, rec.name,
-                            "without what cannot be read" if unreadable else f"in its task's queue {view.spec.queue!r}")
+                            "without what cannot be read" if unreadable else
+                            f"in its task's queue {view.spec.queue!r}" if rec.queue != view.spec.queue else
+                            f"labelled {record.LABEL_STATE}={rec.state}")
                 rec = self._remember(rec, self.protocol.repair(view, rec))
         if rec is not None and rec.state == record.HELD and rec.owner_uid == view.uid:
             self.store.note_duration(key, rec, view.spec.lease_duration_seconds)

@@ -80,9 +80,7 @@ class LeaseRecord:
 
     @property
     def state(self) -> str:
-        if self.outcome:
-            return CLOSED
-        return HELD if self.holder else FREE
+        return _state(self.outcome, self.holder)
 
     @property
     def holder_pod(self) -> str:
@@ -91,6 +89,12 @@ class LeaseRecord:
     @property
     def holder_pod_uid(self) -> str:
         return holder_pod_uid(self.holder)
+
+
+def _state(outcome: str, holder: str) -> str:
+    if outcome:
+        return CLOSED
+    return HELD if holder else FREE
 
 
 def holder_pod(holder: str) -> str:
@@ -140,6 +144,8 @@ def decode(lease: JSON, *, whole: bool = True) -> LeaseRecord:
     if (len(holder) > MAX_HOLDER_CHARS or len(reason) > MAX_REASON_CHARS or len(result) > models.MAX_RESULT_BYTES
             or len(error) > models.MAX_ERROR_CHARS):
         bad.append("too-long")
+    if LABEL_MANAGED in labels and labels.get(LABEL_STATE) != _state(outcome, holder):
+        bad.append("state-label")  # hidden from the agents' watch of free Leases, or shown there held
     return LeaseRecord(
         name=meta["name"], namespace=meta["namespace"], queue=labels.get(LABEL_QUEUE, ""),
         owner_uid=str(owners[0].get("uid") or "") if owners else "",
@@ -164,7 +170,7 @@ def read(lease: JSON) -> LeaseRecord | None:
         return None
 
 
-MALFORMED_REASONS: Final = ("history", "outcome", "timestamp", "number", "too-long")
+MALFORMED_REASONS: Final = ("history", "outcome", "timestamp", "number", "too-long", "state-label")
 DROPPED_REASONS: Final = MALFORMED_REASONS[:4]  # left out by `decode`; "too-long" values are kept
 # What Task.status holds of a Lease's holder and reason (models.TaskStatus).
 MAX_HOLDER_CHARS: Final = int(models.TaskStatus.model_fields["holder"].metadata[0].max_length)
