@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from tasklease.api import errors
 from tasklease.api.queues import TaskQueueSpec
 from tasklease.cli import top
 from tasklease.protocol import rate, slots
@@ -92,3 +93,27 @@ def test_top_shows_the_controls_and_queues_without_tasks() -> None:
     assert [(r.queue, r.pending, r.controls) for r in rows] == [("idle", 0, TaskQueueSpec(paused=True))]
     assert "paused" in top.render(rows, title="t")
 
+
+
+class _HeldBucket:
+    """A claim-rate bucket held by hand, past the policy: the policy refuses every agent's write of it."""
+
+    def __init__(self) -> None:
+        self.server_clock = self
+
+    def now(self) -> datetime:
+        return NOW
+
+    def latest(self) -> datetime:
+        return NOW
+
+    def get_or_none(self, *_: object, **__: object) -> dict[str, object]:
+        return {"metadata": {"name": rate.lease_name("q"), "resourceVersion": "3", "annotations": {}},
+                "spec": {"holderIdentity": "mallory/1"}}
+
+    def merge_patch(self, *_: object, **__: object) -> None:
+        raise errors.Refused("this lease is held by another pod")
+
+
+def test_a_bucket_no_agent_may_write_stops_no_claim() -> None:
+    assert rate.take(_HeldBucket(), namespace="ns", queue="q", rate=1.0) == 0.0  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ further ahead than any claim could have put it was written by someone else: it c
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 from typing import Final
 
@@ -20,6 +21,8 @@ from tasklease.api.timestamps import format_time, parse_time
 from tasklease.kube import LEASES, Kube
 from tasklease.protocol.record import label_value
 from tasklease.protocol.slots import DURATION_S, LABEL_SLOT_OF, PREFIX
+
+log = logging.getLogger(__name__)
 
 ANN_NEXT: Final = "tasklease.dev/next-claim-at"
 BURST_S: Final = 1.0  # one second's claims may go at once
@@ -77,6 +80,12 @@ def take(kube: Kube, *, namespace: str, queue: str, rate: float) -> float:
             return 0.0
         except (errors.Conflict, errors.NotFound):
             continue
+        except errors.Invalid as exc:
+            # A bucket this agent may not write (held, written by hand past the policy): no
+            # write of it stops a claim. The operator still takes back claims beyond the rate.
+            log.warning("the claim-rate bucket %s/%s cannot be written (%s): claiming without a token",
+                        namespace, name, exc)
+            return 0.0
     return 1 / rate
 
 
