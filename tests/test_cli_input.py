@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -182,6 +184,20 @@ def test_claim_waits_for_an_unreachable_server_no_longer_than_asked(tasklease: A
     code, err = tasklease("claim", "--queue", "q", "--wait", "2")
     assert code == errors.Unreachable.exit_code and "cannot reach" in err
     assert time.monotonic() - began < 15
+
+
+def test_what_a_one_shot_command_retried_is_not_told_without_v(tmp_path: Path) -> None:
+    """Its own process: the log configuration is the command's, not pytest's."""
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}]}))
+    done = subprocess.run([sys.executable, "-m", "tasklease.cli", f"--kubeconfig={config}", "claim", "--queue", "q",
+                           "--wait", "2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == errors.Unreachable.exit_code
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "cannot reach" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(("flags", "why"), [

@@ -103,8 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return errors.BadArguments.exit_code
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A one-shot command says how it ended in one line (below); what it retried on the way (a
+    # page of a list, a watch: warnings) is told with -v. `run` and the operator are long-lived: they log.
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO if args.command in ("run", "operator")
-                        else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        else logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args) or 0)
     except BrokenPipeError:
