@@ -104,7 +104,7 @@ def test_flags_out_of_range_are_bad_flags(args: tuple[str, ...], capsys: pytest.
 @pytest.mark.parametrize("args", [("list", "--bogus"), ("claim",), ("completion", "fish"), ("list", "-n", "../x"),
                                   ("get", "-n", "UPPER", "t"), ("-n", "", "list"), ("list", "-o", "bogus"),
                                   ("list", "--queue", "x=y"), ("retry", "--queue", "a,b"), ("pause", "UPPER"),
-                                  ("resume", "x" * 64)])
+                                  ("list", "-n", "ns\n"), ("resume", "x" * 64)])
 def test_a_bad_flag_is_one_line_that_points_to_help(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         cli_main.main(list(args))

@@ -36,7 +36,7 @@ _DNS_LABEL_RE: Final = re.compile(DNS_LABEL)
 def is_namespace(value: object) -> bool:
     """A namespace's name: a DNS label of at most 63 characters. Checked before any request: a
     path built from another reaches no namespace, and the API server's 404 would blame the CRD."""
-    return isinstance(value, str) and len(value) <= 63 and bool(_DNS_LABEL_RE.match(value))
+    return isinstance(value, str) and len(value) <= 63 and bool(_DNS_LABEL_RE.fullmatch(value))
 
 
 # The outcome of an attempt that ran past its attemptTimeoutSeconds, and the reason of its Event.

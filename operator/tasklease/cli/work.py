@@ -135,7 +135,7 @@ def _no_such_namespace_is_not_found(kube: Kube) -> Iterator[None]:
 def _held_by_args(args: argparse.Namespace) -> tuple[Kube, Protocol]:
     if not args.name or not args.holder or args.epoch is None:
         raise errors.BadArguments("need the task name, --holder and --epoch (or TASKLEASE_TASK, TASKLEASE_HOLDER "
-                             "and TASKLEASE_EPOCH) as printed by `tasklease claim`")
+                                  "and TASKLEASE_EPOCH) as printed by `tasklease claim`")
     # Like the name, holder and epoch: the namespace `claim --format env` printed, unless -n says.
     args.namespace = args.namespace or os.environ.get("TASKLEASE_NAMESPACE") or None
     kube = kube_of(args)
