@@ -54,7 +54,8 @@ def test_pause_stops_claims_and_resume_restarts_them(cluster: Cluster, kube: Kub
     missing = _cli(cluster, namespace, "resume", "nothing-here")
     assert missing.returncode == 0 and "has no TaskQueue" in missing.stdout
     bad = _cli(cluster, namespace, "pause", "Not_A_Queue")
-    assert bad.returncode == 9 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("tasklease: "), bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("tasklease pause: "), \
+        bad.stderr
 
 
 def test_max_running_holds_under_a_race_of_16_agents(cluster: Cluster, namespace: str, audit_log: Path) -> None:
