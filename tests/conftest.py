@@ -116,6 +116,15 @@ def wait_for(condition: Callable[[], Any], *, timeout: float = 30.0, interval: f
         time.sleep(interval)
 
 
+def refusal(write: Callable[[], Any]) -> str:
+    """Why the API server refused `write`; "" when it was accepted."""
+    try:
+        write()
+    except errors.TaskleaseError as exc:
+        return str(exc)
+    return ""
+
+
 def make_task(kube: Kube, name: str, *, queue: str = "q", **spec: Any) -> dict[str, Any]:
     body = {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
             "spec": {"queue": queue, **spec}}

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from test_chart import render  # the chart as `helm template` renders it offline
-from conftest import AGENT_SA, ROOT, Cluster, agent_pod_kubeconfig, make_task, service_account_kubeconfig, wait_for
+from conftest import (AGENT_SA, ROOT, Cluster, agent_pod_kubeconfig, make_task, refusal, service_account_kubeconfig,
+                      wait_for)
 from tasklease.api import errors
 from tasklease.protocol import record
 from tasklease.agent import Agent, Identity
@@ -49,10 +50,10 @@ def test_agents_cannot_break_the_protocol_even_by_hand(
               "spec": {"holderIdentity": "mallory/1", "leaseTransitions": 1}}
     # Refused by the policy itself: until the API server's caches have the agents' Role
     # binding and Pods, the probe is refused as Forbidden or Unauthorized, policy or not.
-    wait_for(lambda: "may only hold a lease in its own pod's name" in _refusal(lambda: bob_kube.create(LEASES, forged)),
+    wait_for(lambda: "may only hold a lease in its own pod's name" in refusal(lambda: bob_kube.create(LEASES, forged)),
              timeout=30, message="the admission policy to be active")
     # The policy on deletes likewise (until it bites, RBAC alone lets a delete through).
-    wait_for(lambda: "never deleted" in _refusal(lambda: _delete_probe(kube, bob_kube)),
+    wait_for(lambda: "never deleted" in refusal(lambda: _delete_probe(kube, bob_kube)),
              timeout=30, message="the admission policy on deletes to be active")
 
     # Case by case against the one claimability rule: what the policy lets an agent claim
@@ -114,15 +115,6 @@ def _delete_probe(admin: Kube, agent: Kube) -> None:
         admin.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                               "metadata": {"name": "delete-probe"}, "spec": {}})
     agent.delete(LEASES, "delete-probe")
-
-
-def _refusal(write: Any) -> str:
-    """Why the API server refused `write`; "" when it was accepted."""
-    try:
-        write()
-    except errors.TaskleaseError as exc:
-        return str(exc)
-    return ""
 
 
 def test_the_chart_policy_is_generated_from_the_models() -> None:

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import (AGENT_SA, Cluster, agent_pod_kubeconfig, make_queue, make_task, service_account_kubeconfig,
-                      undone, wait_for)
+from conftest import (AGENT_SA, Cluster, agent_pod_kubeconfig, make_queue, make_task, refusal,
+                      service_account_kubeconfig, undone, wait_for)
 from test_chart import CHART, _helm
 from tasklease.agent import Agent, Identity
 from tasklease.api import errors, models
@@ -90,9 +90,9 @@ def arena(cluster: Cluster, chart_roles: dict[str, str], tmp_path_factory: pytes
     # bindings and Pods: wait until a forged write is refused by the policy itself.
     probe = record.encode(record.LeaseRecord(name="probe", namespace=namespace, queue="q", owner_uid="x",
                                              holder="mallory/1", epoch=1))
-    wait_for(lambda: "denied request" in _refusal(lambda: found.bob.create(LEASES, probe)),
+    wait_for(lambda: "denied request" in refusal(lambda: found.bob.create(LEASES, probe)),
              timeout=30, message="the admission policy to be active")
-    wait_for(lambda: "denied request" in _refusal(lambda: _delete_probe(found)),
+    wait_for(lambda: "denied request" in refusal(lambda: _delete_probe(found)),
              timeout=30, message="the admission policy on deletes to be active")
     yield found
     root.delete(NAMESPACES, namespace)
@@ -107,17 +107,8 @@ def _delete_probe(arena: Arena) -> None:
     arena.bob.delete(LEASES, "delete-probe")
 
 
-def _refusal(write: Callable[[], Any]) -> str:
-    """Why the API server refused `write`; "" when it was accepted."""
-    try:
-        write()
-    except errors.TaskleaseError as exc:
-        return str(exc)
-    return ""
-
-
 def refused(write: Callable[[], Any], message: str) -> None:
-    why = _refusal(write)
+    why = refusal(write)
     assert why, "the write was accepted"
     assert "denied request" in why and message in why, why
 
@@ -678,7 +669,7 @@ def test_a_pre_created_future_lease_is_removed_when_its_task_comes(
     mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
     early = record.LeaseRecord(name="later", namespace=namespace, queue="q", owner_uid=str(uuid.uuid4()),
                                holder=holder, epoch=1, history=(attempt(1, holder),))
-    wait_for(lambda: _refusal(create(mallory, early)) == "", timeout=30, message="mallory's claim to be judged")
+    wait_for(lambda: refusal(create(mallory, early)) == "", timeout=30, message="mallory's claim to be judged")
     task = make_task(kube, "later", queue="q")
     wait_for(lambda: kube.get_or_none(LEASES, "later") is None, timeout=60, message="the foreign Lease removed")
     honest = Agent(cluster.kube(namespace), identity=Identity(pod="honest", instance="1"))
@@ -697,7 +688,7 @@ def test_a_claim_created_in_another_queue_is_put_back_in_its_tasks_queue(
     mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
     view = TaskView.of(make_task(kube, "misfiled", queue="q"))
     misfiled = replace(claimed(view, None, holder, now_utc()), queue="elsewhere")
-    wait_for(lambda: _refusal(create(mallory, misfiled)) == "", timeout=30, message="mallory's claim to be judged")
+    wait_for(lambda: refusal(create(mallory, misfiled)) == "", timeout=30, message="mallory's claim to be judged")
     wait_for(lambda: record.decode(kube.get(LEASES, "misfiled")).queue == "q", timeout=60,
              message="the Lease labelled with its task's queue")
 
@@ -730,7 +721,7 @@ def test_a_claim_labelled_with_another_queue_still_obeys_its_own_queues_controls
     time.sleep(PAUSE_GRACE_S)  # a claim within the grace after the pause may have been in flight: tolerated
     for view in views:
         write = create(mallory, replace(claimed(view, None, holder, now_utc()), queue="elsewhere"))
-        wait_for(lambda w=write: _refusal(w) == "", timeout=30, message="mallory's claim to be judged")
+        wait_for(lambda w=write: refusal(w) == "", timeout=30, message="mallory's claim to be judged")
     wait_for(lambda: undone(kube, "s-1"), timeout=30, message="the claim in the paused queue undone")
     wait_for(lambda: undone(kube, "g-1"), timeout=60, message="the claim without a slot undone")
 
@@ -788,9 +779,9 @@ def test_a_rate_bucket_time_that_is_no_time(
               "metadata": {"name": rate.lease_name("rated"), "labels": {slots.LABEL_SLOT_OF: "rated"},
                            "annotations": {rate.ANN_NEXT: "not-a-time"}},
               "spec": {"leaseDurationSeconds": slots.DURATION_S}}
-    wait_for(lambda: "denied request" in _refusal(lambda: mallory.create(LEASES, bucket)), timeout=30,
+    wait_for(lambda: "denied request" in refusal(lambda: mallory.create(LEASES, bucket)), timeout=30,
              message="the admission policy to be active")
-    assert f"{rate.ANN_NEXT} is an RFC 3339 time" in _refusal(lambda: mallory.create(LEASES, bucket))
+    assert f"{rate.ANN_NEXT} is an RFC 3339 time" in refusal(lambda: mallory.create(LEASES, bucket))
     kube.create(LEASES, bucket)  # as an admin, past the agents' policy
     make_task(kube, "r-1", queue="rated")
     with Agent(cluster.kube(namespace), identity=Identity(pod="honest", instance="1")) as agent:

@@ -23,16 +23,21 @@ pytestmark = pytest.mark.unit
 cli_main = importlib.import_module("tasklease.cli.main")  # the module: the package exports its `main`
 
 
-@pytest.fixture
-def tasklease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
-    """`tasklease ARGS` in this process: (exit code, the one line on stderr)."""
-    config = tmp_path / "kubeconfig"
+def _unreachable(folder: Path) -> Path:
+    """A kubeconfig naming a port nobody serves."""
+    config = folder / "kubeconfig"
     config.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
         "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
         "users": [{"name": "u", "user": {"token": "t"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(config))
+    return config
+
+
+@pytest.fixture
+def tasklease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
+    """`tasklease ARGS` in this process: (exit code, the one line on stderr)."""
+    monkeypatch.setenv("KUBECONFIG", str(_unreachable(tmp_path)))
 
     def run(*args: str) -> tuple[int, str]:
         code = cli_main.main(list(args))
@@ -188,14 +193,8 @@ def test_claim_waits_for_an_unreachable_server_no_longer_than_asked(tasklease: A
 
 def test_what_a_one_shot_command_retried_is_not_told_without_v(tmp_path: Path) -> None:
     """Its own process: the log configuration is the command's, not pytest's."""
-    config = tmp_path / "kubeconfig"
-    config.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}]}))
-    done = subprocess.run([sys.executable, "-m", "tasklease.cli", f"--kubeconfig={config}", "claim", "--queue", "q",
-                           "--wait", "2"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "tasklease.cli", f"--kubeconfig={_unreachable(tmp_path)}", "claim",
+                           "--queue", "q", "--wait", "2"], capture_output=True, text=True, timeout=60)
     assert done.returncode == errors.Unreachable.exit_code
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "cannot reach" in done.stderr, done.stderr
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from conftest import (Cluster, Operator, agent_pod_kubeconfig, make_queue, make_task, read_audit, tasklease_cmd, undone,
-                      wait_for)
+from conftest import (Cluster, Operator, agent_pod_kubeconfig, make_queue, make_task, read_audit, refusal,
+                      tasklease_cmd, undone, wait_for)
 from tasklease.agent import Agent, ClaimedTask, Identity
 from tasklease.api import errors, queues
 from tasklease.operator.queues import PAUSE_GRACE_S, rate_allowance
@@ -158,13 +158,6 @@ def test_agents_may_hold_slots_only_in_their_own_name(
     alice = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "alice", chart_roles["agent"],
                                                              tmp_path)))
     bob = Kube.connect(kubeconfig=str(agent_pod_kubeconfig(cluster, namespace, "bob", chart_roles["agent"], tmp_path)))
-
-    def refusal(write: Any) -> str:
-        try:
-            write()
-        except errors.TaskleaseError as exc:
-            return str(exc)
-        return ""
     forged = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
               "metadata": {"name": slots.slot_name("shared", 0), "labels": {slots.LABEL_SLOT_OF: "shared"}},
               "spec": {"holderIdentity": "alice/1", "leaseDurationSeconds": slots.DURATION_S}}
@@ -197,13 +190,6 @@ def test_no_agent_can_hold_the_claim_rate_bucket(
               "metadata": {"name": rate.lease_name("paced"), "labels": {slots.LABEL_SLOT_OF: "paced"}},
               "spec": {"holderIdentity": "bob/1", "leaseDurationSeconds": slots.DURATION_S}}
     held_by_no_one = "the claim-rate Lease (tasklease-slot.<queue>.rate) is held by no one"
-
-    def refusal(write: Any) -> str:
-        try:
-            write()
-        except errors.TaskleaseError as exc:
-            return str(exc)
-        return ""
     wait_for(lambda: held_by_no_one in refusal(lambda: bob.create(LEASES, bucket)),
              timeout=30, message="the admission policy to be active")
     # The bucket, made by alice's first token (asked for again while her clock of the server is unsure).
