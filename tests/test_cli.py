@@ -134,6 +134,13 @@ def test_errors_are_one_clear_line_with_a_documented_exit_code(cli, args, code, 
     assert says in _clean_error(result)
 
 
+def test_completing_a_task_never_claimed_says_it_has_no_lease(cli) -> None:  # type: ignore[no-untyped-def]
+    assert cli("submit", "--queue", "never", "--name", "unclaimed").returncode == 0
+    result = cli("complete", "unclaimed", "--holder", "me/1", "--epoch", "1")
+    assert result.returncode == 4, result.stderr
+    assert "has no lease: never claimed, or its lease was deleted" in _clean_error(result)
+
+
 def test_bad_flags_exit_2(cli) -> None:  # type: ignore[no-untyped-def]
     result = cli("claim", "--no-such-flag")
     assert result.returncode == 2

@@ -23,6 +23,7 @@ from tasklease.cli.common import first_line, kube_of
 from tasklease.cli.queues import cmd_pause, cmd_resume
 from tasklease.cli.tasks import cmd_cancel, cmd_describe, cmd_get, cmd_list, cmd_requeue, cmd_retry, cmd_submit
 from tasklease.cli.work import cmd_claim, cmd_complete, cmd_fail, cmd_release, cmd_renew, cmd_run
+from tasklease.operator.logs import TEXT_LINE
 
 EPILOG = "exit codes:\n" + "".join(f"  {code:>3}  {meaning}\n" for code, meaning in errors.exit_codes()) + """
 global flags (--kubeconfig, --context, -n/--namespace, -v) go before or after the command.
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A one-shot command says how it ended in one line (below); what it retried on the way (a
     # page of a list, a watch: warnings) is told with -v. `run` and the operator are long-lived: they log.
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO if args.command in ("run", "operator")
-                        else logging.ERROR, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        else logging.ERROR, format=TEXT_LINE)
     try:
         return int(args.handler(args) or 0)
     except BrokenPipeError:

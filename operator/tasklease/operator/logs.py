@@ -15,6 +15,7 @@ import re
 from datetime import UTC, datetime
 
 FORMATS = ("text", "json")
+TEXT_LINE = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the CLI's lines too (`logging.basicConfig`)
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f\u0085\u2028\u2029]")  # a tab stays a tab
 
 
@@ -39,5 +40,4 @@ class JsonFormatter(logging.Formatter):
 def use_format(name: str) -> None:
     """Give the root logger's handlers (the CLI's, made by `logging.basicConfig`) `name`'s format."""
     for handler in logging.getLogger().handlers:
-        text = handler.formatter._fmt if handler.formatter is not None else None  # basicConfig's line
-        handler.setFormatter(JsonFormatter() if name == "json" else TextFormatter(text))
+        handler.setFormatter(JsonFormatter() if name == "json" else TextFormatter(TEXT_LINE))

@@ -272,8 +272,11 @@ class Protocol:
     def _ours(self, namespace: str, name: str, *, holder: str, epoch: int) -> LeaseRecord:
         rec = self.read(namespace, name)
         if rec is None:
-            if self.kube.get_or_none(TASKS, name, namespace=namespace) is None:
+            task = self.kube.get_or_none(TASKS, name, namespace=namespace)
+            if task is None:
                 raise errors.NotFound(f"task {namespace}/{name} does not exist")
+            if not (task.get("status") or {}).get("attempt"):  # no attempt projected: most likely none made
+                raise errors.LostLease(f"task {namespace}/{name} has no lease: never claimed, or its lease was deleted")
             raise errors.LostLease(f"task {namespace}/{name}: its lease is gone")
         return _check_holder(rec, namespace=namespace, name=name, holder=holder, epoch=epoch)
 
