@@ -56,6 +56,14 @@ def test_a_task_freed_at_the_highest_epoch_is_dead_lettered_for_want_of_one() ->
         Phase.FAILED, "DeadLettered", "all 3 attempts are spent")
 
 
+def test_a_status_past_max_attempts_without_a_lease_is_dead_lettered_saying_so() -> None:
+    """No agent may claim it (its attempts count) and none would tell: the operator closes it."""
+    spent = replace(view(maxAttempts=2), status_attempt=4, status_phase="Pending")
+    assert decision.decide(spent, None, Observed(), NOW, SETTINGS) == Close(
+        Phase.FAILED, "DeadLettered", "all 2 attempts are spent: its status shows attempt 4 and it has no Lease")
+    assert decision.decide(replace(spent, status_attempt=1), None, Observed(), NOW, SETTINGS) is None
+
+
 def test_a_held_lease_expires_after_duration_plus_grace_of_one_unchanged_version() -> None:
     seen = Observed(held_since=988.0, silent_s=12.0, sighting=Sighting(1, record.HELD, T0))
     assert decision.decide(view(), held(), seen, Now(T0, 999.9), SETTINGS) is None

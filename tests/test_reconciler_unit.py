@@ -156,6 +156,28 @@ def test_a_lease_duration_lowered_while_held_applies_from_the_next_attempt() -> 
     assert holder() == ""
 
 
+def test_a_status_past_max_attempts_without_a_lease_is_dead_lettered_with_a_lease_at_its_epoch() -> None:
+    """Written by hand through the status subresource: the operator closes the task, tells it
+    (a Warning Event), and its Lease remembers the epoch, so a retry counts from there."""
+    kube = FakeKube()
+    r = reconciler(kube, Clock(1000.0))
+    body = task(maxAttempts=2)
+    body["status"] = {"phase": "Pending", "reason": "Waiting", "attempt": 4}
+    r.on_task("ADDED", kube.put(TASKS, body))
+    r.reconcile(KEY)
+    lease = kube.get_or_none(LEASES, "t", namespace="ns")
+    assert lease is not None
+    rec = record.decode(lease)
+    assert (rec.state, rec.outcome, rec.reason, rec.epoch) == (record.CLOSED, "Failed", "DeadLettered", 4)
+    written = kube.get_or_none(TASKS, "t", namespace="ns")
+    assert written is not None
+    status = written["status"]
+    assert (status["phase"], status["reason"], status["attempt"]) == ("Failed", "DeadLettered", 4)
+    assert [e["message"] for e in kube.events() if e["reason"] == "DeadLettered"] == [
+        "task failed after 4 attempt(s) (DeadLettered): all 2 attempts are spent: its status shows attempt 4 "
+        "and it has no Lease"]
+
+
 def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))

@@ -295,3 +295,28 @@ def test_a_result_too_long_for_the_status_is_cut_and_the_operator_stays_ready(
     assert operator.get("/readyz")[0] == 200
     Protocol(kube).claim(TaskView.of(kube.get(TASKS, "other")), None, "other-0/1")  # the next task goes on as ever
     wait_for(lambda: _phase(kube, "other") == "Running", timeout=10, message="the next task projected")
+
+
+def test_a_status_written_past_max_attempts_without_a_lease_is_dead_lettered_and_can_be_retried(
+        kube: Kube, operator: Operator) -> None:
+    """An attempt written into the status by hand, above maxAttempts, with no Lease behind it:
+    the status remembers epochs (a Lease deleted by hand), so the attempts count and no claim
+    is left. The operator dead-letters the task, says why, and leaves a Lease that remembers
+    the epoch, so that `tasklease retry` grants a fresh budget from there."""
+    task = make_task(kube, "overspent", maxAttempts=2)
+    task["status"] = {"phase": "Pending", "reason": "Waiting", "attempt": 4}
+    kube.replace(TASKS, task, sub="status")
+    wait_for(lambda: _phase(kube, "overspent") == "Failed", timeout=20,
+             message=f"the task dead-lettered\noperator:\n{operator.output()[-3000:]}")
+    status = kube.get(TASKS, "overspent")["status"]
+    assert (status["reason"], status["attempt"]) == ("DeadLettered", 4)
+    assert "attempt 4" in status["lastError"]
+    wait_for(lambda: "DeadLettered" in _events(kube, "overspent"), timeout=10, message="the Event")
+    rec = record.decode(kube.get(LEASES, "overspent"))
+    assert (rec.outcome, rec.epoch) == ("Failed", 4)
+    protocol = Protocol(kube)
+    protocol.retry(TaskView.of(kube.get(TASKS, "overspent")), rec)
+    wait_for(lambda: _phase(kube, "overspent") == "Pending", timeout=10, message="the retry projected")
+    held = protocol.claim(TaskView.of(kube.get(TASKS, "overspent")), protocol.read(namespace=kube.namespace,
+                                                                                  name="overspent"), "p/1")
+    assert held.epoch == 5

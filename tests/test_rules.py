@@ -10,7 +10,15 @@ import pytest
 from tasklease.agent import Identity
 from tasklease.api import models
 from tasklease.protocol import record
-from tasklease.protocol.rules import Blocker, TaskView, blocker, claimed, requeued, why_not_claimable
+from tasklease.protocol.rules import (
+    Blocker,
+    TaskView,
+    blocker,
+    claimed,
+    fresh_record,
+    requeued,
+    why_not_claimable,
+)
 
 pytestmark = pytest.mark.unit  # pure logic: `make unit` runs it, on every Python
 
@@ -104,6 +112,20 @@ def test_payload_depth_counts_objects_and_arrays_without_recursing() -> None:
     assert models.payload_depth({"a": [1, {"b": []}]}) == 4
     assert models.payload_depth(_nested(50_000)) == 50_000  # far beyond the recursion limit
     assert blocker(_task(payload=_nested(models.MAX_PAYLOAD_DEPTH)), None, NOW) is None
+
+
+def test_without_a_lease_the_attempts_the_status_remembers_all_count() -> None:
+    """A Lease deleted by hand, or a status written by hand: no retry is remembered, so the
+    claim would go past maxAttempts (`E − budget-from`, budget-from 0)."""
+    task = _task(maxAttempts=2)
+    assert blocker(replace(task, status_attempt=1), None, NOW) is None
+    assert blocker(replace(task, status_attempt=2), None, NOW) is Blocker.SPENT
+    assert why_not_claimable(replace(task, status_attempt=4), None, NOW) == "attempts spent"
+
+
+def test_a_first_lease_starts_at_the_epoch_the_status_remembers() -> None:
+    assert fresh_record(replace(_task(), status_attempt=4)).epoch == 4
+    assert fresh_record(replace(_task(), status_attempt=record.MAX_EPOCH + 9)).epoch == record.MAX_EPOCH  # an int32
 
 
 def test_a_lowered_epoch_is_never_handed_out_again() -> None:

@@ -120,11 +120,15 @@ def decide(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now, se
     if found is Blocker.PAST_DEADLINE:
         assert view.spec.deadline is not None
         return Close(Phase.FAILED, "DeadlineExceeded", f"deadline {view.spec.deadline.isoformat()} passed")
-    if found is Blocker.SPENT and rec is not None:
-        # maxAttempts was lowered below the attempts already made, or no fencing epoch is left:
-        # nobody may claim it again.
+    if found is Blocker.SPENT:
+        # maxAttempts was lowered below the attempts already made, no fencing epoch is left, or
+        # the status remembers more attempts than maxAttempts with no Lease (deleted, or the
+        # status written by hand): nobody may claim it again, and nobody else would tell.
         if epochs_spent(view, rec):
             return Close(Phase.FAILED, "DeadLettered", f"no attempt is left: its epoch reached {record.MAX_EPOCH}")
+        if rec is None:
+            return Close(Phase.FAILED, "DeadLettered", f"all {view.spec.max_attempts} attempts are spent: its status "
+                         f"shows attempt {view.status_attempt} and it has no Lease")
         return Close(Phase.FAILED, "DeadLettered", f"all {view.spec.max_attempts} attempts are spent")
     sighting = seen.sighting
     if rec is not None and rec.state == record.FREE and sighting is not None and sighting.state == record.FREE:

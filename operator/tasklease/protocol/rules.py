@@ -48,8 +48,10 @@ class TaskView:
 
 
 def fresh_record(task: TaskView) -> LeaseRecord:
+    """A first Lease for `task`, at the epoch its status remembers (not 0 when a Lease was
+    deleted by hand): a retry of one the operator closes counts its budget from there."""
     return LeaseRecord(name=task.name, namespace=task.namespace, queue=task.spec.queue, owner_uid=task.uid,
-                       duration_s=task.spec.lease_duration_seconds)
+                       duration_s=task.spec.lease_duration_seconds, epoch=min(task.status_attempt, MAX_EPOCH))
 
 
 class Blocker(enum.Enum):
@@ -86,12 +88,10 @@ def blocker(task: TaskView, rec: LeaseRecord | None, now: datetime) -> Blocker |
         return Blocker.SCHEDULED
     if rec is not None and rec.state == HELD:
         return Blocker.HELD
-    if epochs_spent(task, rec):
+    if epochs_spent(task, rec) or attempts_used(task, rec) >= task.spec.max_attempts:
         return Blocker.SPENT
     if rec is None:
         return None
-    if attempts_used(task, rec) >= task.spec.max_attempts:
-        return Blocker.SPENT
     if rec.not_before is not None and now < rec.not_before:
         return Blocker.BACKING_OFF
     return None
@@ -141,9 +141,10 @@ def epochs_spent(task: TaskView, rec: LeaseRecord | None) -> bool:
     return attempts_made(task, rec) >= MAX_EPOCH
 
 
-def attempts_used(task: TaskView, rec: LeaseRecord) -> int:
-    """Claims made since the last `tasklease retry` (or ever): what maxAttempts bounds."""
-    return attempts_made(task, rec) - rec.budget_from
+def attempts_used(task: TaskView, rec: LeaseRecord | None) -> int:
+    """Claims made since the last `tasklease retry` (or ever): what maxAttempts bounds. Without
+    a Lease no retry is remembered: the attempts the status remembers all count."""
+    return attempts_made(task, rec) - (rec.budget_from if rec is not None else 0)
 
 
 def claimed(task: TaskView, rec: LeaseRecord | None, holder: str, now: datetime) -> LeaseRecord:

@@ -222,7 +222,8 @@ class Protocol:
 
     def close(self, task: TaskView, rec: LeaseRecord | None, *, phase: models.Phase, reason: str,
               message: str) -> LeaseRecord:
-        """Anything not closed → closed(phase): cancel, deadline. Creates the Lease if there is none."""
+        """Anything not closed → closed(phase): cancel, deadline, dead letter. Creates the Lease if
+        there is none, at the epoch the Task's status remembers (`rules.fresh_record`)."""
         if rec is not None and rec.state == CLOSED:
             raise errors.Invalid(f"task {task.namespace}/{task.name} is already {rec.outcome}")
         base = rec or fresh_record(task)
