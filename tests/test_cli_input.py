@@ -191,6 +191,14 @@ def test_claim_waits_for_an_unreachable_server_no_longer_than_asked(tasklease: A
     assert time.monotonic() - began < 15
 
 
+def test_top_once_fails_at_once_against_an_unreachable_server(tasklease: Any) -> None:
+    """As `list` does: its watches would retry for 30 s before a snapshot for a script failed."""
+    began = time.monotonic()
+    code, err = tasklease("top", "--once")
+    assert code == errors.Unreachable.exit_code and "cannot reach" in err
+    assert time.monotonic() - began < 10
+
+
 def test_what_a_one_shot_command_retried_is_not_told_without_v(tmp_path: Path) -> None:
     """Its own process: the log configuration is the command's, not pytest's."""
     done = subprocess.run([sys.executable, "-m", "tasklease.cli", f"--kubeconfig={_unreachable(tmp_path)}", "claim",
