@@ -4,10 +4,12 @@ exit code, never a traceback (no control plane: the kubeconfig names a port nobo
 from __future__ import annotations
 
 import argparse
+import http.server
 import importlib
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,14 @@ cli_main = importlib.import_module("tasklease.cli.main")  # the module: the pack
 
 def _unreachable(folder: Path) -> Path:
     """A kubeconfig naming a port nobody serves."""
+    return _kubeconfig(folder, "https://127.0.0.1:1")
+
+
+def _kubeconfig(folder: Path, server: str) -> Path:
     config = folder / "kubeconfig"
     config.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
+        "clusters": [{"name": "c", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
         "users": [{"name": "u", "user": {"token": "t"}}]}))
     return config
@@ -197,6 +203,33 @@ def test_top_once_fails_at_once_against_an_unreachable_server(tasklease: Any) ->
     code, err = tasklease("top", "--once")
     assert code == errors.Unreachable.exit_code and "cannot reach" in err
     assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_a_web_server_is_no_kubernetes_api_server(tasklease: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  status: int) -> None:
+    """Its page is no object, and its 404 no missing task: every command says the server is the wrong one."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html>a web page</html>\n")
+
+        def log_message(self, *args: Any) -> None:
+            pass  # stderr is the command's
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, f"http://127.0.0.1:{server.server_port}")))
+        for args in (("list",), ("get", "t"), ("top", "--once")):
+            code, err = tasklease(*args)
+            assert code == errors.Unreachable.exit_code, err
+            assert "does not answer as the Kubernetes API server does" in err and f"HTTP {status}" in err, err
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_what_a_one_shot_command_retried_is_not_told_without_v(tmp_path: Path) -> None:
