@@ -30,13 +30,15 @@ def _unreachable(folder: Path) -> Path:
     return _kubeconfig(folder, "https://127.0.0.1:1")
 
 
-def _kubeconfig(folder: Path, server: str) -> Path:
+def _kubeconfig(folder: Path, server: str, cluster: dict[str, str] | None = None,
+                user: dict[str, str] | None = None) -> Path:
+    """`cluster`: its TLS settings (default: none checked); `user`: its credentials (default: a token)."""
     config = folder / "kubeconfig"
     config.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
+        "clusters": [{"name": "c", "cluster": {"server": server, **(cluster or {"insecure-skip-tls-verify": True})}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}]}))
+        "users": [{"name": "u", "user": user or {"token": "t"}}]}))
     return config
 
 
@@ -230,6 +232,23 @@ def test_a_web_server_is_no_kubernetes_api_server(tasklease: Any, tmp_path: Path
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("missing", ["certificate-authority", "client-certificate", "client-key", "tokenFile"])
+def test_a_file_the_kubeconfig_names_that_is_not_there_is_named(tasklease: Any, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
+    """ssl says "No such file or directory" and no more: the line names the file and its setting."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=test"], check=True, capture_output=True)
+    cluster = {"certificate-authority": str(cert)}
+    user = {} if missing == "tokenFile" else {"client-certificate": str(cert), "client-key": str(key)}
+    (cluster if missing == "certificate-authority" else user)[missing] = "gone.pem"  # beside the kubeconfig
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, "https://127.0.0.1:1", cluster, user)))
+    code, err = tasklease("list")
+    where = "cluster 'c'" if missing == "certificate-authority" else "user 'u'"
+    assert code == errors.Unreachable.exit_code
+    assert f"cannot read {tmp_path / 'gone.pem'}, the {missing} of {where}: No such file or directory" in err, err
 
 
 def test_what_a_one_shot_command_retried_is_not_told_without_v(tmp_path: Path) -> None:
