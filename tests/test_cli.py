@@ -162,6 +162,21 @@ def test_no_cluster_reachable_exits_7(cli, tmp_path: Path) -> None:  # type: ign
     assert "no usable cluster configuration" in _clean_error(result)
 
 
+def test_a_tls_port_asked_in_plain_http_is_no_kubernetes_api_server(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The API server answers plain HTTP with a 400 that carries no Status: the URL is wrong, not the task."""
+    config = yaml.safe_load(cli.kubeconfig.read_text())
+    cluster = config["clusters"][0]["cluster"]
+    cluster["server"] = cluster["server"].replace("https://", "http://")
+    plain = tmp_path / "plain.kubeconfig"
+    plain.write_text(yaml.safe_dump(config))
+    for args in (("list",), ("get", "t"), ("submit", "--queue", "q"), ("pause", "q"), ("top", "--once")):
+        result = cli(*args, kubeconfig=plain)
+        assert result.returncode == 7, result.stderr
+        line = _clean_error(result)
+        assert f"{cluster['server']} does not answer as the Kubernetes API server does (HTTP 400: Client sent an HTTP" \
+            " request to an HTTPS server.)" in line, line
+
+
 def test_rbac_denial_exits_6(cli, cluster: Cluster, namespace: str, chart_roles: dict[str, str],
                              tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     agent_config = service_account_kubeconfig(cluster, namespace, "agent", chart_roles["agent"], tmp_path)

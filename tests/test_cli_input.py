@@ -4,10 +4,12 @@ exit code, never a traceback (no control plane: the kubeconfig names a port nobo
 from __future__ import annotations
 
 import argparse
+import http.server
 import importlib
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +27,18 @@ cli_main = importlib.import_module("tasklease.cli.main")  # the module: the pack
 
 def _unreachable(folder: Path) -> Path:
     """A kubeconfig naming a port nobody serves."""
+    return _kubeconfig(folder, "https://127.0.0.1:1")
+
+
+def _kubeconfig(folder: Path, server: str, cluster: dict[str, str] | None = None,
+                user: dict[str, str] | None = None) -> Path:
+    """`cluster`: its TLS settings (default: none checked); `user`: its credentials (default: a token)."""
     config = folder / "kubeconfig"
     config.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1", "insecure-skip-tls-verify": True}}],
+        "clusters": [{"name": "c", "cluster": {"server": server, **(cluster or {"insecure-skip-tls-verify": True})}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}]}))
+        "users": [{"name": "u", "user": user or {"token": "t"}}]}))
     return config
 
 
@@ -189,6 +197,58 @@ def test_claim_waits_for_an_unreachable_server_no_longer_than_asked(tasklease: A
     code, err = tasklease("claim", "--queue", "q", "--wait", "2")
     assert code == errors.Unreachable.exit_code and "cannot reach" in err
     assert time.monotonic() - began < 15
+
+
+def test_top_once_fails_at_once_against_an_unreachable_server(tasklease: Any) -> None:
+    """As `list` does: its watches would retry for 30 s before a snapshot for a script failed."""
+    began = time.monotonic()
+    code, err = tasklease("top", "--once")
+    assert code == errors.Unreachable.exit_code and "cannot reach" in err
+    assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_a_web_server_is_no_kubernetes_api_server(tasklease: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  status: int) -> None:
+    """Its page is no object, and its 404 no missing task: every command says the server is the wrong one."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html>a web page</html>\n")
+
+        def log_message(self, *args: Any) -> None:
+            pass  # stderr is the command's
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, f"http://127.0.0.1:{server.server_port}")))
+        for args in (("list",), ("get", "t"), ("top", "--once")):
+            code, err = tasklease(*args)
+            assert code == errors.Unreachable.exit_code, err
+            assert "does not answer as the Kubernetes API server does" in err and f"HTTP {status}" in err, err
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("missing", ["certificate-authority", "client-certificate", "client-key", "tokenFile"])
+def test_a_file_the_kubeconfig_names_that_is_not_there_is_named(tasklease: Any, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
+    """ssl says "No such file or directory" and no more: the line names the file and its setting."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=test"], check=True, capture_output=True)
+    cluster = {"certificate-authority": str(cert)}
+    user = {} if missing == "tokenFile" else {"client-certificate": str(cert), "client-key": str(key)}
+    (cluster if missing == "certificate-authority" else user)[missing] = "gone.pem"  # beside the kubeconfig
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, "https://127.0.0.1:1", cluster, user)))
+    code, err = tasklease("list")
+    where = "cluster 'c'" if missing == "certificate-authority" else "user 'u'"
+    assert code == errors.Unreachable.exit_code
+    assert f"cannot read {tmp_path / 'gone.pem'}, the {missing} of {where}: No such file or directory" in err, err
 
 
 def test_what_a_one_shot_command_retried_is_not_told_without_v(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from tasklease.protocol import CLOSED, HELD, LeaseRecord, record
 
 RATE_WINDOW_S = 10.0
 _REDRAW_S = 1.0
+_START_POLL_S = 0.05  # how often `Top.start` looks for a watch's failure while it waits for its list
 
 
 @dataclass
@@ -157,18 +158,25 @@ class Top:
         self._claims: collections.deque[tuple[float, tuple[str, str]]] = collections.deque()
         self._completions: collections.deque[tuple[float, tuple[str, str]]] = collections.deque()
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0, *, one_shot: bool = False) -> None:
+        """Until every watch has listed. A watch stopped for good ends the wait; with `one_shot`
+        (`--once`), so does its first failure, as it ends a single request: its retries would
+        keep a script waiting for the whole `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         for watch in self._watches:
             watch.start()
         for watch in self._watches:
-            if not watch.synced.wait(max(deadline - time.monotonic(), 0)):
+            while not watch.synced.wait(_START_POLL_S):
+                failed = watch.error is not None and (one_shot or watch.stopped)
+                if not failed and time.monotonic() < deadline:
+                    continue
                 if watch.resource == TASKQUEUES and isinstance(watch.error, errors.CRDMissing):
-                    continue  # an install without TaskQueues: queues without controls
+                    break  # an install without TaskQueues: queues without controls
                 self.stop()
                 if isinstance(watch.error, errors.TaskleaseError):
                     raise watch.error
-                raise errors.Unreachable(f"the watches did not start within {timeout_s:.0f}s")
+                raise errors.Unreachable(f"the watch of {watch.resource.plural} did not start: "
+                                         f"{watch.error or f'no answer in {timeout_s:.0f}s'}")
 
     def stop(self) -> None:
         for watch in self._watches:
@@ -228,7 +236,7 @@ def run(kube: Kube, *, namespace: str | None, once: bool) -> int:
     if not once and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise errors.BadArguments("the live view needs a terminal: use `tasklease top --once` in scripts and pipes")
     top = Top(kube, namespace=namespace)
-    top.start()
+    top.start(one_shot=once)
     title = f"tasklease top - {namespace or 'all namespaces'}"
     try:
         if once:

@@ -36,6 +36,7 @@ INITIAL_EVENTS_END = "k8s.io/initial-events-end"  # the annotation of the bookma
 _PAGE = 500  # objects per LIST page
 # How the API server words a refusal by a ValidatingAdmissionPolicy or an admission webhook.
 _ADMISSION_DENIED = "denied request"
+_NOT_SERVED = b"404 page not found"  # the API server's answer to a path it does not serve: no Status
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,13 @@ class Kube:
         resp = self._send(method, path, query=query or {}, body=body, content_type=content_type,
                           timeout=timeout)
         try:
-            data: JSON = decode.loads(resp.data or b"{}")
+            raw = resp.data or b"{}"
         finally:
             resp.release_conn()
+        try:
+            data: JSON = decode.loads(raw)
+        except ValueError:
+            raise _foreign(self.connection.host, resp.status, raw) from None
         return data
 
     def _send(self, method: str, path: str, *, query: dict[str, Any], body: Any, content_type: str,
@@ -170,7 +175,7 @@ class Kube:
         if resp.status >= 400:
             data = resp.data
             resp.release_conn()
-            raise _error_for(resp.status, data, path=path)
+            raise _error_for(resp.status, data, path=path, host=self.connection.host)
         return resp
 
     def get(self, res: Resource, name: str, *, namespace: str | None = None, timeout: float = 30) -> JSON:
@@ -232,7 +237,10 @@ class Kube:
             data = resp.data or b"{}"
         finally:
             resp.release_conn()
-        return decode.loads_page(data)
+        try:
+            return decode.loads_page(data)
+        except ValueError:
+            raise _foreign(self.connection.host, resp.status, data) from None
 
     def create(self, res: Resource, body: JSON, *, namespace: str | None = None, timeout: float = 30) -> JSON:
         return self.request("POST", res.path(namespace or self.namespace), body=body, query=_STRICT, timeout=timeout)
@@ -343,7 +351,12 @@ def _arrived(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
-def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:
+def _error_for(status: int, body: bytes, *, path: str, host: str) -> errors.TaskleaseError:
+    # The API server says why in a Status object, but for its plain 404 of a path it does not
+    # serve. Other answers come from another server (a web server, or a TLS port asked in plain
+    # HTTP); a proxy's 429 or 5xx before an API server is still worth a retry.
+    if not _status(body) and status != 429 and status < 500 and not (status == 404 and body.strip() == _NOT_SERVED):
+        return _foreign(host, status, body)
     message = _message(body)
     if status == 409:
         return errors.Conflict(message)
@@ -369,6 +382,13 @@ def _error_for(status: int, body: bytes, *, path: str) -> errors.TaskleaseError:
     return errors.TaskleaseError(f"{status}: {message}")
 
 
+def _foreign(host: str, status: int, body: bytes) -> errors.Unreachable:
+    """An answer that is not the Kubernetes API's: the kubeconfig names another server, or the wrong scheme."""
+    said = body.decode(errors="replace").strip().partition("\n")[0]
+    return errors.Unreachable(f"{host} does not answer as the Kubernetes API server does (HTTP {status}: "
+                              f"{_short(said) or 'an empty answer'})")
+
+
 def _selectors(label_selector: str, field_selector: str) -> dict[str, str]:
     query = {}
     if label_selector:
@@ -388,9 +408,9 @@ def _status(body: bytes) -> JSON:
         status = json.loads(body)
     except ValueError:
         return {}
-    return status if isinstance(status, dict) else {}
+    return status if isinstance(status, dict) and status.get("kind") == "Status" else {}
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc)
+def _short(said: BaseException | str) -> str:
+    text = str(said)
     return text if len(text) < 200 else text[:200] + "..."

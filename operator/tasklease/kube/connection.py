@@ -93,21 +93,22 @@ def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int)
     if any(key in user or key in cluster for key in _ELSEWHERE):
         return _elsewhere(str(file), context_name, pool_size)
     base = file.parent
+    of_cluster, of_user = f"cluster {ctx['cluster']!r}", f"user {ctx.get('user')!r}"
     tls = ssl.create_default_context()
     if cluster.get("insecure-skip-tls-verify"):
         tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
     elif "certificate-authority-data" in cluster:
         tls.load_verify_locations(cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
     elif "certificate-authority" in cluster:
-        tls.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
+        tls.load_verify_locations(cafile=_readable(base, cluster, "certificate-authority", of_cluster))
     if "client-certificate-data" in user or "client-certificate" in user:
-        _load_client_certificate(tls, user, base)
+        _load_client_certificate(tls, user, base, of_user)
     authorization: Callable[[], str | None] = lambda: None  # noqa: E731 - one of three
     if user.get("token"):
         header = f"Bearer {user['token']}"
         authorization = lambda: header  # noqa: E731
     elif user.get("tokenFile"):
-        authorization = _TokenFile(str(base / user["tokenFile"])).header
+        authorization = _TokenFile(_readable(base, user, "tokenFile", of_user)).header
     return Connection(host=str(cluster["server"]).rstrip("/"), pool=_pool(tls, pool_size),
                       authorization=authorization, namespace=ctx.get("namespace") or "default",
                       kubeconfig=str(file), context=context_name)
@@ -152,7 +153,7 @@ def _named(doc: dict[str, Any], section: str, name: str, key: str) -> dict[str, 
     raise ValueError(f"the kubeconfig has no {key} named {name!r}")
 
 
-def _load_client_certificate(tls: ssl.SSLContext, user: dict[str, Any], base: Path) -> None:
+def _load_client_certificate(tls: ssl.SSLContext, user: dict[str, Any], base: Path, of_user: str) -> None:
     """`load_cert_chain` reads files only: inline data goes through a private folder, removed at once."""
     with tempfile.TemporaryDirectory(prefix="tasklease-") as folder:
         def path(kind: str) -> str:
@@ -160,8 +161,19 @@ def _load_client_certificate(tls: ssl.SSLContext, user: dict[str, Any], base: Pa
                 target = Path(folder) / kind
                 target.write_bytes(base64.b64decode(user[f"{kind}-data"]))
                 return str(target)
-            return str(base / user[kind])
+            return _readable(base, user, kind, of_user)
         tls.load_cert_chain(path("client-certificate"), path("client-key"))
+
+
+def _readable(base: Path, entry: dict[str, Any], key: str, of: str) -> str:
+    """The file a kubeconfig setting names (relative to the kubeconfig's folder), which must be
+    readable: ssl's error would say neither which file nor which setting."""
+    path = base / str(entry[key])
+    try:
+        path.open("rb").close()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}, the {key} of {of}: {exc.strerror or exc}") from None
+    return str(path)
 
 
 def _pool(tls: ssl.SSLContext, pool_size: int) -> urllib3.PoolManager:
