@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import (AGENT_SA, Cluster, agent_pod_kubeconfig, make_queue, make_task, refusal,
+from conftest import (AGENT_SA, Cluster, agent_pod_kubeconfig, make_queue, make_task, read_audit, refusal,
                       service_account_kubeconfig, undone, wait_for)
 from test_chart import CHART, _helm
 from tasklease.agent import Agent, Identity
@@ -659,25 +659,32 @@ def test_the_time_pattern_accepts_what_every_writer_writes() -> None:
                         .model_dump(mode="json", by_alias=True)["claimedAt"])
 
 
-def test_a_pre_created_future_lease_is_removed_when_its_task_comes(
+def test_a_pre_created_future_lease_is_replaced_by_the_tasks_free_one_when_its_task_comes(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
-        operator: Any) -> None:
+        operator_factory: Callable[..., Any], audit_log: Path) -> None:
     """A claim the policy cannot judge (the Task does not exist yet, its uid is made up) is a
-    Lease of an older task to the operator: removed when the Task comes, which is then claimable.
-    (Agents that tried to claim the task while that Lease stood wait for it to be seen free:
-    docs/security.md.)"""
+    Lease of an older task to the operator: when the Task comes, it removes it and gives the
+    task its own Lease, free. An agent whose claim lost to the forged Lease counts the task as
+    taken until it sees its Lease free: it then claims it."""
     mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
     early = record.LeaseRecord(name="later", namespace=namespace, queue="q", owner_uid=str(uuid.uuid4()),
                                holder=holder, epoch=1, history=(attempt(1, holder),))
     wait_for(lambda: refusal(create(mallory, early)) == "", timeout=30, message="mallory's claim to be judged")
     task = make_task(kube, "later", queue="q")
-    wait_for(lambda: kube.get_or_none(LEASES, "later") is None, timeout=60, message="the foreign Lease removed")
     honest = Agent(cluster.kube(namespace), identity=Identity(pod="honest", instance="1"))
     try:
+        with pytest.raises(errors.NothingToClaim):
+            honest.claim("q", timeout=5)  # no operator yet: the forged Lease stands
+        lost = [e for e in read_audit(audit_log, namespace=namespace, resource="leases")
+                if e["verb"] == "create" and e["objectRef"].get("name") == "later"
+                and e["responseStatus"]["code"] == 409]
+        assert lost, "the agent's claim to lose to the forged Lease"
+        operator_factory("--no-leader-elect")
         honest.claim("q", timeout=60).complete("ran")
     finally:
         honest.close()
-    assert record.decode(kube.get(LEASES, "later")).owner_uid == task["metadata"]["uid"]
+    rec = record.decode(kube.get(LEASES, "later"))
+    assert (rec.owner_uid, rec.outcome) == (task["metadata"]["uid"], "Succeeded")
 
 
 def test_a_claim_created_in_another_queue_is_put_back_in_its_tasks_queue(

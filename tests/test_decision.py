@@ -61,7 +61,23 @@ def test_a_status_past_max_attempts_without_a_lease_is_dead_lettered_saying_so()
     spent = replace(view(maxAttempts=2), status_attempt=4, status_phase="Pending")
     assert decision.decide(spent, None, Observed(), NOW, SETTINGS) == Close(
         Phase.FAILED, "DeadLettered", "all 2 attempts are spent: its status shows attempt 4 and it has no Lease")
-    assert decision.decide(replace(spent, status_attempt=1), None, Observed(), NOW, SETTINGS) is None
+    assert isinstance(decision.decide(replace(spent, status_attempt=1), None, Observed(), NOW, SETTINGS),
+                      decision.Free)
+
+
+def test_a_task_the_agents_count_as_taken_without_a_lease_gets_a_free_one() -> None:
+    """Agents skip a task claimed before that has no Lease, and one whose claim they lost to a
+    forged Lease, until they see its Lease free: the operator makes one. A task never claimed
+    needs none, nor does one that may not be claimed."""
+    claimed_before = replace(view(maxAttempts=3), status_attempt=2, status_phase="Pending")
+    assert decision.decide(claimed_before, None, Observed(), NOW, SETTINGS) == decision.Free(
+        "its status shows attempt 2 and it has no Lease")
+    fresh = view()
+    assert decision.decide(fresh, None, Observed(), NOW, SETTINGS) is None
+    assert decision.decide(fresh, None, Observed(foreign_removed=True), NOW, SETTINGS) == decision.Free(
+        "a Lease of another task by its name was removed")
+    later = replace(view(notBefore="2031-01-01T00:00:00Z"), status_attempt=2)
+    assert decision.decide(later, None, Observed(foreign_removed=True), NOW, SETTINGS) is None
 
 
 def test_a_held_lease_expires_after_duration_plus_grace_of_one_unchanged_version() -> None:

@@ -156,18 +156,24 @@ def test_a_lease_duration_lowered_while_held_applies_from_the_next_attempt() -> 
     assert holder() == ""
 
 
-def test_a_status_past_max_attempts_without_a_lease_is_dead_lettered_with_a_lease_at_its_epoch() -> None:
-    """Written by hand through the status subresource: the operator closes the task, tells it
-    (a Warning Event), and its Lease remembers the epoch, so a retry counts from there."""
-    kube = FakeKube()
+def _reconciled_without_a_lease(kube: FakeKube, *, max_attempts: int, attempt: int) -> LeaseRecord:
+    """Task t, whose status (written by hand) shows `attempt` and which has no Lease, after one
+    reconcile: the Lease the operator wrote for it."""
     r = reconciler(kube, Clock(1000.0))
-    body = task(maxAttempts=2)
-    body["status"] = {"phase": "Pending", "reason": "Waiting", "attempt": 4}
+    body = task(maxAttempts=max_attempts)
+    body["status"] = {"phase": "Pending", "reason": "Waiting", "attempt": attempt}
     r.on_task("ADDED", kube.put(TASKS, body))
     r.reconcile(KEY)
     lease = kube.get_or_none(LEASES, "t", namespace="ns")
     assert lease is not None
-    rec = record.decode(lease)
+    return record.decode(lease)
+
+
+def test_a_status_past_max_attempts_without_a_lease_is_dead_lettered_with_a_lease_at_its_epoch() -> None:
+    """Written by hand through the status subresource: the operator closes the task, tells it
+    (a Warning Event), and its Lease remembers the epoch, so a retry counts from there."""
+    kube = FakeKube()
+    rec = _reconciled_without_a_lease(kube, max_attempts=2, attempt=4)
     assert (rec.state, rec.outcome, rec.reason, rec.epoch) == (record.CLOSED, "Failed", "DeadLettered", 4)
     written = kube.get_or_none(TASKS, "t", namespace="ns")
     assert written is not None
@@ -176,6 +182,34 @@ def test_a_status_past_max_attempts_without_a_lease_is_dead_lettered_with_a_leas
     assert [e["message"] for e in kube.events() if e["reason"] == "DeadLettered"] == [
         "task failed after 4 attempt(s) (DeadLettered): all 2 attempts are spent: its status shows attempt 4 "
         "and it has no Lease"]
+
+
+def test_a_task_claimed_before_without_a_lease_gets_a_free_one_at_its_epoch() -> None:
+    """Its Lease deleted by hand: agents skip a claimed task with no Lease, so the operator
+    makes a free one (owned by the Task, at the epoch its status shows) and says so."""
+    kube = FakeKube()
+    rec = _reconciled_without_a_lease(kube, max_attempts=3, attempt=2)
+    assert (rec.state, rec.epoch, rec.owner_uid) == (record.FREE, 2, "uid-t")
+    assert [e["message"] for e in kube.events() if e["reason"] == "LeaseRecreated"] == [
+        "its status shows attempt 2 and it has no Lease: gave it a free Lease at attempt 2, for the agents to see"]
+
+
+def test_a_forged_lease_removed_is_replaced_by_a_free_one() -> None:
+    """A Lease of another task by this name (here forged) held the name: agents that lost a
+    claim to it count the task as taken until they see its Lease free, so the operator that
+    removes it makes the task's own, free."""
+    kube = FakeKube()
+    r = reconciler(kube, Clock(1000.0))
+    r.on_task("ADDED", kube.put(TASKS, task()))
+    forged = kube.put(LEASES, record.encode(LeaseRecord(name="t", namespace="ns", queue="q", owner_uid="forged",
+                                                        holder="mallory/1", epoch=1, acquired_at=NOW,
+                                                        renewed_at=NOW)))
+    r.on_lease("ADDED", forged, record.decode(forged))
+    r.reconcile(KEY)
+    lease = kube.get_or_none(LEASES, "t", namespace="ns")
+    assert lease is not None
+    rec = record.decode(lease)
+    assert (rec.state, rec.epoch, rec.owner_uid) == (record.FREE, 0, "uid-t")
 
 
 def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:

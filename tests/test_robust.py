@@ -256,6 +256,27 @@ def test_a_task_at_the_highest_epoch_is_dead_lettered_and_stops_no_agent(
     assert "MalformedLease" in _events(kube, "beyond")
 
 
+def test_a_task_claimed_before_whose_lease_was_deleted_is_done_by_a_loop_agent(
+        cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
+        operator: Operator) -> None:
+    """Its Lease deleted by hand after a claim (here: a status that shows attempt 1, no Lease):
+    loop agents skip a claimed task without a Lease, so the operator gives it a free one at the
+    epoch its status shows, says so, and an agent does it at the next epoch."""
+    task = make_task(kube, "unleased", queue="u", maxAttempts=3)
+    task["status"] = {"phase": "Pending", "reason": "Requeued", "attempt": 1}
+    kube.replace(TASKS, task, sub="status")
+    config = agent_pod_kubeconfig(cluster, namespace, "unleased-0", chart_roles["agent"], tmp_path)
+    agent = Process(tasklease_cmd("run", f"--kubeconfig={config}", "--queue", "u", "--loop", "--", "echo", "ok"),
+                    log=tmp_path / "agent.log", env={"POD_NAME": "unleased-0"})
+    try:
+        wait_for(lambda: _phase(kube, "unleased") == "Succeeded", timeout=60,
+                 message=f"the task done\nagent:\n{agent.output()[-2000:]}\noperator:\n{operator.output()[-2000:]}")
+    finally:
+        agent.stop()
+    assert record.decode(kube.get(LEASES, "unleased")).epoch == 2
+    assert "LeaseRecreated" in _events(kube, "unleased")
+
+
 def test_a_claim_refused_for_what_its_lease_already_is_passes_that_task_over(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path) -> None:
     """A Lease whose outcome the agent cannot read looks free to it, but the admission policy

@@ -52,6 +52,7 @@ class Observed:
     attempt_since: float | None = None  # when this attempt's claim was first seen
     duration_s: int = 0  # the longest lease duration the Task had while we saw this attempt
     pod_gone: bool = False  # the holder's own Pod went away
+    foreign_removed: bool = False  # a Lease of another Task by this name (forged, or an older task's) was just removed
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,16 @@ class TimeOut:
     ran_s: float
 
 
-Action = Close | Reschedule | Undo | Expire | TimeOut
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Give a claimable task with no Lease a free one, at the epoch its status remembers: the
+    agents count a task claimed before, or one whose claim they lost to a forged Lease, as
+    taken until they see its Lease free."""
+
+    why: str
+
+
+Action = Close | Reschedule | Undo | Expire | TimeOut | Free
 
 
 def decide(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now, settings: Settings) -> Action | None:
@@ -130,12 +140,18 @@ def decide(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now, se
             return Close(Phase.FAILED, "DeadLettered", f"all {view.spec.max_attempts} attempts are spent: its status "
                          f"shows attempt {view.status_attempt} and it has no Lease")
         return Close(Phase.FAILED, "DeadLettered", f"all {view.spec.max_attempts} attempts are spent")
+    if rec is None:
+        if found is None and view.status_attempt:
+            return Free(f"its status shows attempt {view.status_attempt} and it has no Lease")
+        if found is None and seen.foreign_removed:
+            return Free("a Lease of another task by its name was removed")
+        return None
     sighting = seen.sighting
-    if rec is not None and rec.state == record.FREE and sighting is not None and sighting.state == record.FREE:
+    if rec.state == record.FREE and sighting is not None and sighting.state == record.FREE:
         end = backoff_end(view, rec, sighting, settings.rand)
         if end is not None:
             return Reschedule(end)
-    if rec is None or rec.state != record.HELD or found not in (Blocker.HELD, Blocker.SCHEDULED):
+    if rec.state != record.HELD or found not in (Blocker.HELD, Blocker.SCHEDULED):
         return None  # claimable, backing off, or finished for good (I4)
     early = _early(view, rec, sighting)
     if early is not None:

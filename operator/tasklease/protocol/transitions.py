@@ -230,6 +230,14 @@ class Protocol:
         return self._write(ended(base, outcome=reason, now=self.clock(), message=message, close=phase.value,
                                   reason=reason), create=rec is None)
 
+    def free(self, task: TaskView) -> LeaseRecord | None:
+        """No Lease → free, owned by the Task, at the epoch its status remembers
+        (`rules.fresh_record`). None when a Lease was created meanwhile (a claim came first)."""
+        try:
+            return self._write(fresh_record(task), create=True)
+        except errors.Conflict:
+            return None
+
     def remove_orphan(self, rec: LeaseRecord) -> bool:
         """Delete a Lease whose Task is gone, or belongs to an older Task of the same name. The
         garbage collector removes most; this covers a Lease that outlived it. The Task is
