@@ -251,6 +251,29 @@ def test_a_file_the_kubeconfig_names_that_is_not_there_is_named(tasklease: Any, 
     assert f"cannot read {tmp_path / 'gone.pem'}, the {missing} of {where}: No such file or directory" in err, err
 
 
+@pytest.mark.parametrize(("cluster", "user", "says"), [
+    ({"certificate-authority": "{key}"}, {}, "the certificate-authority of cluster 'c' holds no usable certificate"),
+    ({}, {"client-certificate": "{cert}"}, "user 'u' has no client-key"),
+    ({}, {"client-key": "{key}"}, "user 'u' has no client-certificate"),
+    ({}, {"client-certificate": "{key}", "client-key": "{key}"},
+     "the client-certificate and client-key of user 'u' are no certificate and matching key"),
+])
+def test_credentials_the_kubeconfig_cannot_use_are_named(tasklease: Any, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, cluster: dict[str, str],
+                                                         user: dict[str, str], says: str) -> None:
+    """A file of the wrong kind, or half a client certificate: ssl's error names neither."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=test"], check=True, capture_output=True)
+    files = {"{key}": str(key), "{cert}": str(cert)}
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, "https://127.0.0.1:1",
+                                                     {k: files[v] for k, v in cluster.items()},
+                                                     {k: files[v] for k, v in user.items()})))
+    code, err = tasklease("list")
+    assert code == errors.Unreachable.exit_code
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_what_a_one_shot_command_retried_is_not_told_without_v(tmp_path: Path) -> None:
     """Its own process: the log configuration is the command's, not pytest's."""
     done = subprocess.run([sys.executable, "-m", "tasklease.cli", f"--kubeconfig={_unreachable(tmp_path)}", "claim",

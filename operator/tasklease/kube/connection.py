@@ -97,11 +97,16 @@ def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int)
     tls = ssl.create_default_context()
     if cluster.get("insecure-skip-tls-verify"):
         tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
-    elif "certificate-authority-data" in cluster:
-        tls.load_verify_locations(cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
-    elif "certificate-authority" in cluster:
-        tls.load_verify_locations(cafile=_readable(base, cluster, "certificate-authority", of_cluster))
-    if "client-certificate-data" in user or "client-certificate" in user:
+    elif "certificate-authority-data" in cluster or "certificate-authority" in cluster:
+        try:
+            if "certificate-authority-data" in cluster:
+                tls.load_verify_locations(cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
+            else:
+                tls.load_verify_locations(cafile=_readable(base, cluster, "certificate-authority", of_cluster))
+        except ssl.SSLError as exc:
+            raise ValueError(f"the certificate-authority of {of_cluster} holds no usable certificate "
+                             f"({exc.reason or exc})") from None
+    if any(f"client-{kind}{data}" in user for kind in ("certificate", "key") for data in ("", "-data")):
         _load_client_certificate(tls, user, base, of_user)
     authorization: Callable[[], str | None] = lambda: None  # noqa: E731 - one of three
     if user.get("token"):
@@ -162,7 +167,15 @@ def _load_client_certificate(tls: ssl.SSLContext, user: dict[str, Any], base: Pa
                 target.write_bytes(base64.b64decode(user[f"{kind}-data"]))
                 return str(target)
             return _readable(base, user, kind, of_user)
-        tls.load_cert_chain(path("client-certificate"), path("client-key"))
+        missing = [kind for kind in ("client-certificate", "client-key")
+                   if kind not in user and f"{kind}-data" not in user]
+        if missing:
+            raise ValueError(f"{of_user} has no {missing[0]} (a client certificate needs both it and its key)")
+        try:
+            tls.load_cert_chain(path("client-certificate"), path("client-key"))
+        except ssl.SSLError as exc:
+            raise ValueError(f"the client-certificate and client-key of {of_user} are no certificate and "
+                             f"matching key ({exc.reason or exc})") from None
 
 
 def _readable(base: Path, entry: dict[str, Any], key: str, of: str) -> str:
