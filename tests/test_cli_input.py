@@ -177,6 +177,12 @@ def test_a_payload_json_cannot_say(tasklease: Any, payload: str) -> None:
     assert code == errors.Invalid.exit_code and "payload is not valid JSON" in err and "is not JSON" in err
 
 
+@pytest.mark.parametrize("payload", ["null", "[1, 2]", "7", '"text"'])
+def test_a_payload_that_is_no_object(tasklease: Any, payload: str) -> None:
+    code, err = tasklease("submit", "--queue", "q", "--payload", payload)
+    assert code == errors.Invalid.exit_code and "the payload must be a JSON object, not" in err, err
+
+
 def test_a_command_run_cannot_start_claims_nothing(tasklease: Any, tmp_path: Path) -> None:
     """Looked for before the first claim (the kubeconfig's server is never asked)."""
     code, err = tasklease("run", "--queue", "q", "--loop", "--", str(tmp_path / "send-emial.sh"))

@@ -244,8 +244,8 @@ def _task_files(paths: list[str]) -> list[tuple[str, Any]]:
 
 
 def _check(body: Any, where: str) -> None:
-    """A Task as submitted: an object whose metadata and spec are objects, its payload no
-    deeper than every reader reads (a deeper one is refused before it exists, not found
+    """A Task as submitted: an object whose metadata and spec are objects, its payload an
+    object no deeper than every reader reads (a deeper one is refused before it exists, not found
     unclaimable later)."""
     if not isinstance(body, dict) or not all(isinstance(body.get(k) or {}, dict) for k in ("metadata", "spec")):
         raise errors.Invalid(f"{where} is not a Task object")
@@ -258,6 +258,9 @@ def _check(body: Any, where: str) -> None:
     namespace = (body.get("metadata") or {}).get("namespace")
     if namespace is not None and not models.is_namespace(namespace):
         raise errors.Invalid(f"{where}: {namespace!r} is not a namespace name")
-    depth = models.payload_depth((body.get("spec") or {}).get("payload"))
+    spec = body.get("spec") or {}
+    depth = models.payload_depth(spec.get("payload"))
     if depth > models.MAX_PAYLOAD_DEPTH:
         raise errors.Invalid(f"{where}: the payload nests {depth} levels deep, more than {models.MAX_PAYLOAD_DEPTH}")
+    if "payload" in spec and not isinstance(spec["payload"], dict):  # the API server drops a null: {} instead
+        raise errors.Invalid(f"{where}: the payload must be a JSON object, not {json.dumps(spec['payload'])[:40]}")
