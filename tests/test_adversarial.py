@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import (AGENT_SA, Cluster, agent_pod_kubeconfig, make_queue, make_task, read_audit, refusal,
+from conftest import (AGENT_SA, Cluster, agent_pod_kubeconfig, make_queue, make_task, refusal,
                       service_account_kubeconfig, undone, wait_for)
 from test_chart import CHART, _helm
 from tasklease.agent import Agent, Identity
 from tasklease.api import errors, models
 from tasklease.api.timestamps import format_time, now_utc
-from tasklease.kube import JSON, LEASES, NAMESPACES, PODS, TASKQUEUES, TASKS, Kube
+from tasklease.kube import EVENTS, JSON, LEASES, NAMESPACES, PODS, TASKQUEUES, TASKS, Kube
 from tasklease.operator.queues import PAUSE_GRACE_S
 from tasklease.protocol import TaskView, members, policy, rate, record, slots
 from tasklease.protocol.rules import claimed, ended
@@ -659,32 +659,33 @@ def test_the_time_pattern_accepts_what_every_writer_writes() -> None:
                         .model_dump(mode="json", by_alias=True)["claimedAt"])
 
 
-def test_a_pre_created_future_lease_is_replaced_by_the_tasks_free_one_when_its_task_comes(
+def test_a_forged_lease_of_a_task_is_replaced_by_the_tasks_own_free_one(
         cluster: Cluster, kube: Kube, namespace: str, chart_roles: dict[str, str], tmp_path: Path,
-        operator_factory: Callable[..., Any], audit_log: Path) -> None:
-    """A claim the policy cannot judge (the Task does not exist yet, its uid is made up) is a
-    Lease of an older task to the operator: when the Task comes, it removes it and gives the
-    task its own Lease, free. An agent whose claim lost to the forged Lease counts the task as
-    taken until it sees its Lease free: it then claims it."""
+        operator: Any) -> None:
+    """A claim the policy cannot judge (its owner uid is made up) is a Lease of another task to
+    the operator: it removes it, and since an agent whose claim lost to it counts the task as
+    taken until it sees the task's Lease free, it gives the task its own Lease, free, at the
+    task's epoch (not the forgery's), and says so. An agent then claims it."""
+    task = make_task(kube, "forged", queue="q")
     mallory, holder = _mallory(cluster, kube, namespace, chart_roles, tmp_path)
-    early = record.LeaseRecord(name="later", namespace=namespace, queue="q", owner_uid=str(uuid.uuid4()),
-                               holder=holder, epoch=1, history=(attempt(1, holder),))
-    wait_for(lambda: refusal(create(mallory, early)) == "", timeout=30, message="mallory's claim to be judged")
-    task = make_task(kube, "later", queue="q")
+    forgery = record.LeaseRecord(name="forged", namespace=namespace, queue="q", owner_uid=str(uuid.uuid4()),
+                                 holder=holder, epoch=40, history=(attempt(40, holder),))
+    wait_for(lambda: refusal(create(mallory, forgery)) == "", timeout=30, message="mallory's claim to be judged")
+
+    def own_and_free() -> bool:
+        lease = kube.get_or_none(LEASES, "forged")
+        rec = record.decode(lease) if lease is not None else None
+        return rec is not None and (rec.owner_uid, rec.state, rec.epoch) == (task["metadata"]["uid"], record.FREE, 0)
+    wait_for(own_and_free, timeout=30, message="the task's own free Lease in place of the forgery")
+    reasons = [e["reason"] for e in kube.list(EVENTS, field_selector="involvedObject.name=forged")["items"]]
+    assert "LeaseRecreated" in reasons
     honest = Agent(cluster.kube(namespace), identity=Identity(pod="honest", instance="1"))
     try:
-        with pytest.raises(errors.NothingToClaim):
-            honest.claim("q", timeout=5)  # no operator yet: the forged Lease stands
-        lost = [e for e in read_audit(audit_log, namespace=namespace, resource="leases")
-                if e["verb"] == "create" and e["objectRef"].get("name") == "later"
-                and e["responseStatus"]["code"] == 409]
-        assert lost, "the agent's claim to lose to the forged Lease"
-        operator_factory("--no-leader-elect")
-        honest.claim("q", timeout=60).complete("ran")
+        claimed_task = honest.claim("q", timeout=60)
+        assert claimed_task.epoch == 1
+        claimed_task.complete("ran")
     finally:
         honest.close()
-    rec = record.decode(kube.get(LEASES, "later"))
-    assert (rec.owner_uid, rec.outcome) == (task["metadata"]["uid"], "Succeeded")
 
 
 def test_a_claim_created_in_another_queue_is_put_back_in_its_tasks_queue(

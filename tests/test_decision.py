@@ -67,17 +67,20 @@ def test_a_status_past_max_attempts_without_a_lease_is_dead_lettered_saying_so()
 
 def test_a_task_the_agents_count_as_taken_without_a_lease_gets_a_free_one() -> None:
     """Agents skip a task claimed before that has no Lease, and one whose claim they lost to a
-    forged Lease, until they see its Lease free: the operator makes one. A task never claimed
-    needs none, nor does one that may not be claimed."""
+    forged Lease, until they see its Lease free: the operator makes one, at the highest epoch
+    remembered (its status, or its own Lease that went: never another task's). A task never
+    claimed needs none, nor does one that may not be claimed."""
     claimed_before = replace(view(maxAttempts=3), status_attempt=2, status_phase="Pending")
     assert decision.decide(claimed_before, None, Observed(), NOW, SETTINGS) == decision.Free(
-        "its status shows attempt 2 and it has no Lease")
+        2, "its status shows attempt 2 and it has no Lease")
+    assert decision.decide(claimed_before, None, Observed(gone=(("u", 3), ("forged", 40))), NOW, SETTINGS) == \
+        decision.Free(3, "its Lease (attempt 3) went")
     fresh = view()
     assert decision.decide(fresh, None, Observed(), NOW, SETTINGS) is None
-    assert decision.decide(fresh, None, Observed(foreign_removed=True), NOW, SETTINGS) == decision.Free(
-        "a Lease of another task by its name was removed")
+    assert decision.decide(fresh, None, Observed(gone=(("forged", 40),)), NOW, SETTINGS) == decision.Free(
+        0, "a Lease of another task by its name went")
     later = replace(view(notBefore="2031-01-01T00:00:00Z"), status_attempt=2)
-    assert decision.decide(later, None, Observed(foreign_removed=True), NOW, SETTINGS) is None
+    assert decision.decide(later, None, Observed(gone=(("u", 2),)), NOW, SETTINGS) is None
 
 
 def test_a_held_lease_expires_after_duration_plus_grace_of_one_unchanged_version() -> None:

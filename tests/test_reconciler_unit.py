@@ -194,22 +194,29 @@ def test_a_task_claimed_before_without_a_lease_gets_a_free_one_at_its_epoch() ->
         "its status shows attempt 2 and it has no Lease: gave it a free Lease at attempt 2, for the agents to see"]
 
 
-def test_a_forged_lease_removed_is_replaced_by_a_free_one() -> None:
-    """A Lease of another task by this name (here forged) held the name: agents that lost a
-    claim to it count the task as taken until they see its Lease free, so the operator that
-    removes it makes the task's own, free."""
+@pytest.mark.parametrize("remover", ["operator", "garbage collector"])
+def test_a_forged_lease_gone_is_replaced_by_a_free_one(remover: str) -> None:
+    """A Lease of another task by this name (here forged, at a high epoch) held the name:
+    agents that lost a claim to it count the task as taken until they see its Lease free. Once
+    it is gone, whoever removed it, the operator makes the task's own, free, at the task's
+    epoch (not the forgery's), and says so."""
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))
     r.on_task("ADDED", kube.put(TASKS, task()))
     forged = kube.put(LEASES, record.encode(LeaseRecord(name="t", namespace="ns", queue="q", owner_uid="forged",
-                                                        holder="mallory/1", epoch=1, acquired_at=NOW,
+                                                        holder="mallory/1", epoch=40, acquired_at=NOW,
                                                         renewed_at=NOW)))
     r.on_lease("ADDED", forged, record.decode(forged))
+    if remover == "garbage collector":  # before the operator looked: its DELETED event is all it sees
+        kube.delete(LEASES, "t", namespace="ns")
+        r.on_lease("DELETED", forged, record.decode(forged))
     r.reconcile(KEY)
     lease = kube.get_or_none(LEASES, "t", namespace="ns")
     assert lease is not None
     rec = record.decode(lease)
     assert (rec.state, rec.epoch, rec.owner_uid) == (record.FREE, 0, "uid-t")
+    assert [e["message"] for e in kube.events() if e["reason"] == "LeaseRecreated"] == [
+        "a Lease of another task by its name went: gave it a free Lease at attempt 0, for the agents to see"]
 
 
 def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:

@@ -52,7 +52,9 @@ class Observed:
     attempt_since: float | None = None  # when this attempt's claim was first seen
     duration_s: int = 0  # the longest lease duration the Task had while we saw this attempt
     pod_gone: bool = False  # the holder's own Pod went away
-    foreign_removed: bool = False  # a Lease of another Task by this name (forged, or an older task's) was just removed
+    # Leases of this name seen to go (deleted, or unlabelled) while its Task was known, and none
+    # since: (owner uid, the highest epoch it showed). Another task's (forged, older) count 0.
+    gone: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +111,11 @@ class TimeOut:
 
 @dataclass(frozen=True, slots=True)
 class Free:
-    """Give a claimable task with no Lease a free one, at the epoch its status remembers: the
-    agents count a task claimed before, or one whose claim they lost to a forged Lease, as
-    taken until they see its Lease free."""
+    """Give a claimable task with no Lease a free one, at the highest epoch remembered (its
+    status, its own Lease that went): the agents count a task claimed before, or one whose
+    claim they lost to a forged Lease, as taken until they see its Lease free."""
 
+    epoch: int
     why: str
 
 
@@ -141,11 +144,13 @@ def decide(view: TaskView, rec: LeaseRecord | None, seen: Observed, now: Now, se
                          f"shows attempt {view.status_attempt} and it has no Lease")
         return Close(Phase.FAILED, "DeadLettered", f"all {view.spec.max_attempts} attempts are spent")
     if rec is None:
-        if found is None and view.status_attempt:
-            return Free(f"its status shows attempt {view.status_attempt} and it has no Lease")
-        if found is None and seen.foreign_removed:
-            return Free("a Lease of another task by its name was removed")
-        return None
+        if found is not None or not (view.status_attempt or seen.gone):
+            return None  # a task never claimed needs no Lease to be claimed
+        own = max((epoch for uid, epoch in seen.gone if uid == view.uid), default=None)
+        why = (f"its Lease (attempt {own}) went" if own is not None else
+               f"its status shows attempt {view.status_attempt} and it has no Lease" if view.status_attempt else
+               "a Lease of another task by its name went")
+        return Free(max(view.status_attempt, own or 0), why)
     sighting = seen.sighting
     if rec.state == record.FREE and sighting is not None and sighting.state == record.FREE:
         end = backoff_end(view, rec, sighting, settings.rand)

@@ -31,7 +31,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import datetime
 
 from pydantic import ValidationError
@@ -264,12 +263,12 @@ class Reconciler:
         entry, lease = self.store.entry(key)
         rec = lease.record() if lease is not None else None
         task = entry.json() if entry is not None else None
-        foreign_removed = False
         if rec is not None and (task is None or rec.owner_uid != task["metadata"]["uid"]):
             if self.protocol.remove_orphan(rec):
                 log.info("lease %s/%s: removed (%s)", rec.namespace, rec.name,
                          "its task is gone" if task is None else "it belongs to another task by this name")
-                foreign_removed, rec = task is not None, None
+                self.store.lease_left(rec)
+                rec = None
         if entry is None or task is None:
             with self._lock:
                 self._unreadable.pop(key, None)
@@ -297,7 +296,7 @@ class Reconciler:
                 rec = self._remember(rec, self.protocol.repair(view, rec))
         if rec is not None and rec.state == record.HELD and rec.owner_uid == view.uid:
             self.store.note_duration(key, rec, view.spec.lease_duration_seconds)
-        rec = self._act(view, rec, task, foreign_removed=foreign_removed)
+        rec = self._act(view, rec, task)
         self._project(key, entry, task, view, rec)
         self._clean_up_or_schedule(key, view, rec)
 
@@ -330,21 +329,20 @@ class Reconciler:
     def _now(self) -> decision.Now:
         return decision.Now(wall=self.clock(), mono=self.monotonic())
 
-    def _act(self, view: TaskView, rec: LeaseRecord | None, task: JSON, *,
-             foreign_removed: bool) -> LeaseRecord | None:
+    def _act(self, view: TaskView, rec: LeaseRecord | None, task: JSON) -> LeaseRecord | None:
         """Steps 1 and 2: at most one protocol write (`decision.decide`); returns the Lease as it now is."""
-        seen = self.store.observed((view.namespace, view.name), rec)
-        action = decision.decide(view, rec, replace(seen, foreign_removed=foreign_removed), self._now(),
+        action = decision.decide(view, rec, self.store.observed((view.namespace, view.name), rec), self._now(),
                                  self.settings)
         if action is None:
             return rec
         if isinstance(action, decision.Free):
-            written = self.protocol.free(view)
-            if written is None:  # a claim created it first: its event brings the task back
+            written = self.protocol.free(view, action.epoch)
+            if written is None:  # the Task is going, or a claim created its Lease first (its event follows)
                 return rec
-            self._announce(task, projection.Transition(
-                "Warning", "LeaseRecreated", f"{action.why}: gave it a free Lease at attempt {written.epoch}, "
-                "for the agents to see"), view.spec.queue, post=True)
+            done = (f"gave it a free Lease at attempt {written.epoch}, for the agents to see"
+                    if written.state == record.FREE else "found it without its labels and labelled it again")
+            self._announce(task, projection.Transition("Warning", "LeaseRecreated", f"{action.why}: {done}"),
+                           view.spec.queue, post=True)
             return self._remember(rec, written)
         if isinstance(action, decision.Close):
             return self._remember(rec, self.protocol.close(view, rec, phase=action.phase, reason=action.reason,

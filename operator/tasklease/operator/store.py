@@ -69,6 +69,7 @@ class Store:
         self._phase_values: dict[Where, tuple[str, str]] = {}  # one (queue, phase) per value, shared by its tasks
         self._queues: set[Where] = set()  # seen: their series exist
         self._waits: Waits[Key] = Waits()  # for the claimable-now gauges
+        self._gone: dict[Key, dict[str, int]] = {}  # `decision.Observed.gone`: owner uid → highest epoch
         self._lock = threading.Lock()
 
     # -- intake: quick, no I/O -------------------------------------------------------------
@@ -106,6 +107,7 @@ class Store:
             if entry is None:
                 self._tasks.pop(key, None)
                 self._warm_tasks.discard(key)
+                self._gone.pop(key, None)
                 if held is not None:
                     self._set_phase(key, held, None)
                 return key, True
@@ -142,6 +144,8 @@ class Store:
                 metrics.MALFORMED.labels("Lease", "unreadable").inc()
             if kind == "DELETED" or rec is None:
                 self._forget_lease(key)  # a version we cannot read must not stay held as if current
+                if kind == "DELETED" and rec is not None:
+                    self._left(key, rec)
                 return key
             if rec.malformed:
                 log.warning("lease %s/%s: ignoring what cannot be read of it (%s)", *key, ", ".join(rec.malformed))
@@ -150,6 +154,17 @@ class Store:
             cooling = self._cache(key, rec)
         _cool(cooling)
         return key
+
+    def lease_left(self, rec: LeaseRecord) -> None:
+        """`rec` is gone (we deleted it): as its DELETED event will say, said before it comes."""
+        with self._lock:
+            self._left((rec.namespace, rec.name), rec)
+
+    def _left(self, key: Key, rec: LeaseRecord) -> None:
+        """Caller holds the lock. Remembered while the Task is held, until a Lease of its name comes."""
+        if key in self._tasks:
+            owners = self._gone.setdefault(key, {})
+            owners[rec.owner_uid] = max(owners.get(rec.owner_uid, 0), rec.epoch)
 
     def pod_event(self, kind: str, obj: JSON) -> list[Key]:
         """An agent Pod's event: the keys of the Leases held by it when it went away."""
@@ -214,7 +229,8 @@ class Store:
                 duration_s=this.duration_s if this is not None else 0,
                 # The holder's own Pod went away after we saw this claim (`PodsGone`).
                 pod_gone=held and rec is not None and first_seen is not None and self._pods_gone.took(
-                    (rec.namespace, rec.holder_pod), rec.holder_pod_uid, first_seen=first_seen))
+                    (rec.namespace, rec.holder_pod), rec.holder_pod_uid, first_seen=first_seen),
+                gone=tuple(self._gone.get(key, {}).items()))
 
     def oldest_pending(self, now: datetime) -> list[tuple[str, str, float]]:
         """(namespace, queue, age in seconds of its oldest Pending task) for every known queue."""
@@ -266,6 +282,7 @@ class Store:
             if self._tasks.get(key) is entry:
                 self._tasks.pop(key)
                 self._warm_tasks.discard(key)
+                self._gone.pop(key, None)
                 self._set_phase(key, entry, None)
 
     def projected(self, key: Key, queue: str, view: TaskView, rec: LeaseRecord | None, *, phase: Phase,
@@ -311,6 +328,7 @@ class Store:
     def _cache(self, key: Key, rec: LeaseRecord) -> SlimLease | None:
         """Caller holds the lock. What must cool now (`_cool`, once the lock is released)."""
         lease = slim_lease(rec)
+        self._gone.pop(key, None)
         lease.key = self._shared(key)
         self._leases[lease.key] = lease
         cooling = self._warm_leases.add(lease.key, lease)

@@ -31,6 +31,8 @@ from tasklease.protocol.record import (
     CLOSED,
     FREE,
     HELD,
+    LABEL_MANAGED,
+    MAX_EPOCH,
     LeaseRecord,
     decode,
     encode,
@@ -230,13 +232,25 @@ class Protocol:
         return self._write(ended(base, outcome=reason, now=self.clock(), message=message, close=phase.value,
                                   reason=reason), create=rec is None)
 
-    def free(self, task: TaskView) -> LeaseRecord | None:
-        """No Lease → free, owned by the Task, at the epoch its status remembers
-        (`rules.fresh_record`). None when a Lease was created meanwhile (a claim came first)."""
-        try:
-            return self._write(fresh_record(task), create=True)
-        except errors.Conflict:
+    def free(self, task: TaskView, epoch: int) -> LeaseRecord | None:
+        """No Lease → free at `epoch`, owned by the Task. None when there is nothing to do: the
+        Task is gone or being deleted (checked live), or a Lease of its own came first (a
+        claim; one without our labels is labelled again and returned). A Lease of another task
+        in the way is removed first."""
+        live = self.kube.get_or_none(TASKS, task.name, namespace=task.namespace)
+        if live is None or live["metadata"]["uid"] != task.uid or live["metadata"].get("deletionTimestamp"):
             return None
+        for _ in range(2):
+            try:
+                return self._write(replace(fresh_record(task), epoch=min(epoch, MAX_EPOCH)), create=True)
+            except errors.Conflict:
+                current = self.read(task.namespace, task.name)
+            if current is not None and current.owner_uid == task.uid:
+                labels = current.raw.get("metadata", {}).get("labels") or {}
+                return self.repair(task, current) if labels.get(LABEL_MANAGED) is None else None
+            if current is not None:
+                self.remove_orphan(current)
+        return None
 
     def remove_orphan(self, rec: LeaseRecord) -> bool:
         """Delete a Lease whose Task is gone, or belongs to an older Task of the same name. The
@@ -263,7 +277,7 @@ class Protocol:
 
     def _write(self, rec: LeaseRecord, *, create: bool = False, whole: bool = False,
                timeout: float = 30) -> LeaseRecord:
-        """Only a claim (or the operator closing a never-claimed task) creates. A holder's
+        """Only a claim, or the operator for a task without a Lease (`close`, `free`), creates. A holder's
         write (`whole`: `rec` was made from the Lease as last read, `rec.raw`) is a PUT of
         the whole Lease, conditional on its resourceVersion and uid (409 if it moved or is
         gone); every other write, made from a watcher's picture without the whole Lease,
