@@ -4,6 +4,7 @@ exit code, never a traceback (no control plane: the kubeconfig names a port nobo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.server
 import importlib
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,10 +215,9 @@ def test_top_once_fails_at_once_against_an_unreachable_server(tasklease: Any) ->
     assert time.monotonic() - began < 10
 
 
-@pytest.mark.parametrize("status", [200, 404])
-def test_a_web_server_is_no_kubernetes_api_server(tasklease: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  status: int) -> None:
-    """Its page is no object, and its 404 no missing task: every command says the server is the wrong one."""
+@contextlib.contextmanager
+def _web_server(status: int) -> Iterator[str]:
+    """A server that answers every GET with `status` and an HTML page: its URL."""
     class Page(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.send_response(status)
@@ -230,14 +231,35 @@ def test_a_web_server_is_no_kubernetes_api_server(tasklease: Any, tmp_path: Path
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, f"http://127.0.0.1:{server.server_port}")))
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_a_web_server_is_no_kubernetes_api_server(tasklease: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  status: int) -> None:
+    """Its page is no object, and its 404 no missing task: every command says the server is the wrong one."""
+    with _web_server(status) as url:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, url)))
         for args in (("list",), ("get", "t"), ("top", "--once")):
             code, err = tasklease(*args)
             assert code == errors.Unreachable.exit_code, err
             assert "does not answer as the Kubernetes API server does" in err and f"HTTP {status}" in err, err
-    finally:
-        server.shutdown()
-        server.server_close()
+
+
+@pytest.mark.parametrize(("status", "code"), [(401, errors.Forbidden.exit_code), (403, errors.Forbidden.exit_code),
+                                              (413, errors.Invalid.exit_code)])
+def test_a_proxy_refusal_in_its_own_words_keeps_its_meaning(tasklease: Any, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, status: int,
+                                                            code: int) -> None:
+    """An authenticating proxy before the API server says no, or too large, without a Status:
+    still forbidden or refused, at once, not a wrong server retried."""
+    with _web_server(status) as url:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path, url)))
+        got, err = tasklease("list")
+        assert got == code, err
 
 
 @pytest.mark.parametrize("missing", ["certificate-authority", "client-certificate", "client-key", "tokenFile"])

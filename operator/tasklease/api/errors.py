@@ -61,6 +61,14 @@ class CRDMissing(TaskleaseError):
     meaning = "the Task CRD is not installed"
 
 
+class WrongServer(TaskleaseError):
+    """The server named answers, but not as a Kubernetes API server does (another server, or
+    plain HTTP to a TLS port): no retry will change that."""
+
+    exit_code = 7
+    meaning = "no cluster reachable / no configuration"
+
+
 class Invalid(TaskleaseError):
     """The API server refused the object (422), or the request makes no sense in the task's state."""
 

@@ -354,8 +354,10 @@ def _arrived(sock: socket.socket) -> bool:
 def _error_for(status: int, body: bytes, *, path: str, host: str) -> errors.TaskleaseError:
     # The API server says why in a Status object, but for its plain 404 of a path it does not
     # serve. Other answers come from another server (a web server, or a TLS port asked in plain
-    # HTTP); a proxy's 429 or 5xx before an API server is still worth a retry.
-    if not _status(body) and status != 429 and status < 500 and not (status == 404 and body.strip() == _NOT_SERVED):
+    # HTTP), except what a proxy before an API server says in its own words: who may not (401,
+    # 403), too large (413), and a 429 or 5xx, still worth a retry.
+    if not _status(body) and status not in (401, 403, 413, 429) and status < 500 and not (
+            status == 404 and body.strip() == _NOT_SERVED):
         return _foreign(host, status, body)
     message = _message(body)
     if status == 409:
@@ -382,10 +384,10 @@ def _error_for(status: int, body: bytes, *, path: str, host: str) -> errors.Task
     return errors.TaskleaseError(f"{status}: {message}")
 
 
-def _foreign(host: str, status: int, body: bytes) -> errors.Unreachable:
+def _foreign(host: str, status: int, body: bytes) -> errors.WrongServer:
     """An answer that is not the Kubernetes API's: the kubeconfig names another server, or the wrong scheme."""
     said = body.decode(errors="replace").strip().partition("\n")[0]
-    return errors.Unreachable(f"{host} does not answer as the Kubernetes API server does (HTTP {status}: "
+    return errors.WrongServer(f"{host} does not answer as the Kubernetes API server does (HTTP {status}: "
                               f"{_short(said) or 'an empty answer'})")
 
 
