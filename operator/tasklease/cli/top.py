@@ -31,7 +31,6 @@ from tasklease.api import errors, models, timestamps
 from tasklease.api.queues import TaskQueueSpec
 from tasklease.cli.output import duration, format_rows
 from tasklease.kube import JSON, LEASES, TASKQUEUES, TASKS, Kube
-from tasklease.kube import watching
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import CLOSED, HELD, LeaseRecord, record
 
@@ -239,7 +238,7 @@ def run(kube: Kube, *, namespace: str | None, once: bool) -> int:
         raise errors.BadArguments("the live view needs a terminal: use `tasklease top --once` in scripts and pipes")
     if once and not logging.getLogger().isEnabledFor(logging.DEBUG):
         # Its one line says why a watch stopped; the watch's own report of it is for -v.
-        logging.getLogger(watching.__name__).setLevel(logging.CRITICAL)
+        logging.getLogger(Reflector.__module__).setLevel(logging.CRITICAL)
     top = Top(kube, namespace=namespace)
     top.start(one_shot=once)
     title = f"tasklease top - {namespace or 'all namespaces'}"

@@ -278,7 +278,7 @@ class Reconciler:
         except ValidationError as exc:
             self._report_unreadable(key, task, exc)
             return
-        if rec is None and _claimed_before(task):
+        if rec is None and (_claimed_before(task) or self.store.lease_went(key)):
             rec = self._find_unlabelled(task, view)
         if rec is not None and rec.malformed:
             self._report_malformed(task, rec)
@@ -301,8 +301,9 @@ class Reconciler:
         self._clean_up_or_schedule(key, view, rec)
 
     def _find_unlabelled(self, task: JSON, view: TaskView) -> LeaseRecord | None:
-        """The Lease of a task that was claimed but whose Lease our (label-selected) watch does
-        not show: found by name and owner, its labels put back so every watch sees it again."""
+        """The Lease of a task that was claimed, or whose Lease left our picture, but which our
+        (label-selected) watch does not show: found by name and owner, its labels put back so
+        every watch sees it again."""
         rec = self.protocol.read(task["metadata"]["namespace"], task["metadata"]["name"])
         if rec is None or rec.owner_uid != task["metadata"]["uid"]:
             return None
@@ -339,10 +340,9 @@ class Reconciler:
             written = self.protocol.free(view, action.epoch)
             if written is None:  # the Task is going, or a claim created its Lease first (its event follows)
                 return rec
-            done = (f"gave it a free Lease at attempt {written.epoch}, for the agents to see"
-                    if written.state == record.FREE else "found it without its labels and labelled it again")
-            self._announce(task, projection.Transition("Warning", "LeaseRecreated", f"{action.why}: {done}"),
-                           view.spec.queue, post=True)
+            self._announce(task, projection.Transition(
+                "Warning", "LeaseRecreated", f"{action.why}: gave it a free Lease at attempt {written.epoch}, "
+                "for the agents to see"), view.spec.queue, post=True)
             return self._remember(rec, written)
         if isinstance(action, decision.Close):
             return self._remember(rec, self.protocol.close(view, rec, phase=action.phase, reason=action.reason,

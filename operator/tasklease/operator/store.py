@@ -160,6 +160,11 @@ class Store:
         with self._lock:
             self._left((rec.namespace, rec.name), rec)
 
+    def lease_went(self, key: Key) -> bool:
+        """Whether a Lease of `key`'s name left our picture, and none came since (`_left`)."""
+        with self._lock:
+            return key in self._gone
+
     def _left(self, key: Key, rec: LeaseRecord) -> None:
         """Caller holds the lock. Remembered while the Task is held, until a Lease of its name comes."""
         if key in self._tasks:

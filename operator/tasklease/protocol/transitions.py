@@ -31,7 +31,6 @@ from tasklease.protocol.record import (
     CLOSED,
     FREE,
     HELD,
-    LABEL_MANAGED,
     MAX_EPOCH,
     LeaseRecord,
     decode,
@@ -234,9 +233,8 @@ class Protocol:
 
     def free(self, task: TaskView, epoch: int) -> LeaseRecord | None:
         """No Lease → free at `epoch`, owned by the Task. None when there is nothing to do: the
-        Task is gone or being deleted (checked live), or a Lease of its own came first (a
-        claim; one without our labels is labelled again and returned). A Lease of another task
-        in the way is removed first."""
+        Task is gone or being deleted (checked live), or a Lease of its own came first (a claim:
+        its event follows). A Lease of another task in the way is removed first."""
         live = self.kube.get_or_none(TASKS, task.name, namespace=task.namespace)
         if live is None or live["metadata"]["uid"] != task.uid or live["metadata"].get("deletionTimestamp"):
             return None
@@ -246,8 +244,7 @@ class Protocol:
             except errors.Conflict:
                 current = self.read(task.namespace, task.name)
             if current is not None and current.owner_uid == task.uid:
-                labels = current.raw.get("metadata", {}).get("labels") or {}
-                return self.repair(task, current) if labels.get(LABEL_MANAGED) is None else None
+                return None
             if current is not None:
                 self.remove_orphan(current)
         return None
