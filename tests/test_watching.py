@@ -187,9 +187,9 @@ def test_a_list_that_outlives_its_snapshot_goes_on_and_its_watch_brings_what_cha
     assert reflector.error is None
 
 
-def test_a_streaming_list_misses_nothing_and_its_response_goes_on_as_the_watch(kube: Kube) -> None:
+def test_a_streaming_list_misses_nothing_and_the_watch_opened_before_it_goes_on(kube: Kube) -> None:
     """`watch_list=True`: the first list arrives as a watch's initial events, from the API
-    server's watch cache; the same response goes on as the watch."""
+    server's watch cache; the watch that follows was opened just before it."""
     for i in range(25):
         kube.create(LEASES, lease(f"s-{i:02d}", "stream"))
     seen = Seen()
@@ -205,14 +205,60 @@ def test_a_streaming_list_misses_nothing_and_its_response_goes_on_as_the_watch(k
     assert reflector.synced.wait(30)
     assert reflector.watch_list and reflector.lists == 1 and reflector.pages == 3  # 10, 10, and the last 5
     # A deep queue listed by many agents at once takes minutes: more than a watch's timeout.
-    assert timeouts == [LIST_TIMEOUT_S] and LIST_TIMEOUT_S > 300
+    assert timeouts == [LIST_TIMEOUT_S, LIST_TIMEOUT_S] and LIST_TIMEOUT_S > 300
     assert sorted(seen) == sorted(f"ADDED s-{i:02d}" for i in range(25))
     kube.create(LEASES, lease("s-late", "stream"))
     kube.delete(LEASES, "s-00")
     wait_for(lambda: "DELETED s-00" in seen and "ADDED s-late" in seen, message="the changes after the list")
-    assert reflector.watches == 1  # in the stream that listed
+    assert reflector.watches == 2  # the list, and the watch opened before it
     reflector.stop()
     assert set(reflector.store) == {f"s-{i:02d}" for i in range(1, 25)} | {"s-late"}
+
+
+def test_a_list_that_outlives_the_watch_caches_history_is_not_made_again(kube: Kube) -> None:
+    """A deep queue that many agents list at once takes minutes, and by its end the API
+    server's watch cache may no longer hold the events since the list's version (a watch from
+    there is answered 410 Gone). The agents' Task watch was opened before the list: it misses
+    nothing that changed while the list was read, and nothing is listed again."""
+    for i in range(6):
+        make_task(kube, f"h-{i}", queue="history")
+    watch = kube.watch
+    bookmark: list[str] = []
+    gone: list[str] = []
+
+    def during(events: Iterator[JSON]) -> Iterator[JSON]:
+        for i, event in enumerate(events):
+            if i == 3 and not bookmark:  # halfway through the first list: a task changes, one goes, one comes
+                changed = kube.get(TASKS, "h-0")
+                changed["metadata"]["labels"] = {"changed": "while-listed"}
+                kube.replace(TASKS, changed)
+                kube.delete(TASKS, "h-5")
+                make_task(kube, "h-new", queue="history")
+            if event["type"] == "BOOKMARK":
+                bookmark.append(event["object"]["metadata"]["resourceVersion"])
+            yield event
+
+    def forgetful(*args: Any, initial_events: bool = False, resource_version: str, **kwargs: Any) -> Iterator[JSON]:
+        if resource_version in bookmark:  # as the API server answers once its cache has moved on
+            gone.append(resource_version)
+            return iter([{"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}])
+        events = watch(*args, initial_events=initial_events, resource_version=resource_version, **kwargs)
+        return during(events) if initial_events else events
+    kube.watch = forgetful  # type: ignore[method-assign]
+    seen = Seen()
+    reflector = Reflector(kube, TASKS, namespace=kube.namespace, listener=seen, keep_objects=False,
+                          field_selector=task_selector("history"), watch_field_selector=queue_selector("history"),
+                          page_size=2, watch_list=True)
+    reflector.start()
+    assert reflector.synced.wait(30)
+    wait_for(lambda: "ADDED h-new" in seen and "DELETED h-5" in seen and "MODIFIED h-0" in seen,
+             message="the changes made while the list was read")
+    make_task(kube, "h-late", queue="history")
+    wait_for(lambda: "ADDED h-late" in seen, message="a change after the list")
+    reflector.stop()
+    assert reflector.lists == 1 and reflector.watches == 2 and gone == []
+    assert seen.count("MODIFIED h-0") == 1  # its one change, told once
+    assert set(reflector.store) == {f"h-{i}" for i in range(5)} | {"h-new", "h-late"}
 
 
 def test_a_server_that_refuses_streaming_lists_gets_a_paginated_list(kube: Kube) -> None:

@@ -3,6 +3,7 @@ listener sees exactly what the list's selector would show (no API server: a scri
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,22 +30,38 @@ def task(name: str, rv: str, phase: str | None = None, queue: str = "q") -> JSON
 
 
 class Scripted:
-    """Answers the streaming list with `listed`, then the watch with `events`; records the
-    selectors each request carried."""
+    """Answers the streaming list with `listed`, and the watch opened before it with `during`
+    at once (changes made while the list is read) and `events` once `released` (after it);
+    records the requests and the version each asked for."""
 
-    def __init__(self, listed: list[JSON], events: list[tuple[str, JSON]]) -> None:
-        self.listed, self.events = listed, events
+    def __init__(self, listed: list[JSON], events: list[tuple[str, JSON]],
+                 during: list[tuple[str, JSON]] = ()) -> None:  # type: ignore[assignment]
+        self.listed, self.events, self.during = listed, events, list(during)
         self.requests: list[tuple[str, str]] = []
+        self.versions: list[str] = []
+        self.released = threading.Event()  # set: no list to wait for (`run` holds it back)
+        self.released.set()
+        self.told = threading.Event()  # the watch's reader holds every change of `during`
+
+    def list(self, res: Any, *, field_selector: str = "", limit: int = 0, **_: Any) -> JSON:
+        assert limit == 1  # only the version is read
+        self.requests.append(("version", field_selector))
+        return {"metadata": {"resourceVersion": "9"}, "items": []}
 
     def watch(self, res: Any, *, field_selector: str = "", initial_events: bool = False,
-              **_: Any) -> Iterator[JSON]:
+              resource_version: str, **_: Any) -> Iterator[JSON]:
+        self.versions.append(resource_version)
         if initial_events:
             self.requests.append(("list", field_selector))
             yield from ({"type": "ADDED", "object": obj} for obj in self.listed)
+            assert self.told.wait(10)  # they came while the list was read
             yield {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "10",
                                                                "annotations": {INITIAL_EVENTS_END: "true"}}}}
-            raise AssertionError("the streaming list went on after its end, in place of the wider watch")
+            raise AssertionError("the streaming list went on after its end, in place of the watch")
         self.requests.append(("watch", field_selector))
+        yield from ({"type": kind, "object": obj} for kind, obj in self.during)
+        self.told.set()  # run once its reader asked for more: it has the last of them
+        assert self.released.wait(10)
         yield from ({"type": kind, "object": obj} for kind, obj in self.events)
 
 
@@ -58,9 +75,11 @@ def run(kube: Scripted, *, known: bool) -> tuple[list[str], Reflector]:
     reflector = Reflector(kube, TASKS, namespace="ns", listener=listener,  # type: ignore[arg-type]
                           field_selector=OPEN, watch_field_selector="spec.queue=q", keep_objects=False,
                           known=(lambda: names) if known else None, watch_list=True)
+    kube.released.clear()
     reflector._list_and_watch()  # the streaming list, which ends at its bookmark
-    assert reflector.synced.is_set() and kube.requests == [("list", OPEN)]
-    reflector._list_and_watch()  # then the watch, with its own selector
+    assert reflector.synced.is_set() and ("list", OPEN) in kube.requests
+    kube.released.set()
+    reflector._list_and_watch()  # then the watch opened before it, with its own selector
     return seen, reflector
 
 
@@ -77,11 +96,44 @@ def test_a_wider_watch_is_narrowed_to_what_the_list_selects(known: bool) -> None
                 ("MODIFIED", task("b", "17", "Pending")),  # back among the open ones
                 ("DELETED", task("c", "18", "Running"))])
     seen, reflector = run(kube, known=known)
-    assert kube.requests == [("list", OPEN), ("watch", "spec.queue=q")]
+    assert sorted(kube.requests) == [("list", OPEN), ("version", "spec.queue=q"), ("watch", "spec.queue=q")]
+    assert kube.versions == ["9", "9"]  # the list as of the version the watch starts from, or later
     assert seen == ["ADDED a", "ADDED b", "DELETED a", "ADDED c", "MODIFIED c", "DELETED b", "ADDED b",
                     "DELETED c"]
     assert reflector._rv == "18"  # every event moves the version on, told or not
     assert sorted(reflector.store) == ([] if known else ["b"])
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["listener-keeps-names", "store-keeps-identities"])
+def test_what_changed_while_the_list_was_read_is_told_after_it_each_object_as_it_is_last(known: bool) -> None:
+    """The watch opened before the list holds every change since the version the list was read
+    at or after: some are in the list already, and only each object's last one is news. None
+    is told before the list has ended, and the watch never asks for the list's own version."""
+    kube = Scripted(
+        listed=[task("a", "12", "Running"), task("b", "6"), task("d", "7")],
+        during=[("MODIFIED", task("a", "11")),  # older than the list's "a": not told as it was
+                ("MODIFIED", task("a", "12", "Running")),  # what the list showed
+                ("ADDED", task("c", "13")),  # created after the list passed its place
+                ("MODIFIED", task("b", "14", "Succeeded")),  # finished after the list showed it
+                ("MODIFIED", task("d", "15", "Succeeded")),
+                ("MODIFIED", task("d", "16"))],  # and retried: open again, as the list showed it
+        events=[("MODIFIED", task("a", "17", "Succeeded"))])
+    seen, reflector = run(kube, known=known)
+    assert seen == ["ADDED a", "ADDED b", "ADDED d",  # the list
+                    "MODIFIED a", "ADDED c", "DELETED b", "MODIFIED d",  # while it was read: the last of each
+                    "DELETED a"]  # after it
+    assert "10" not in kube.versions and reflector._rv == "17" and reflector.lists == 1
+    assert sorted(reflector.store) == ([] if known else ["c", "d"])
+
+
+def test_a_watch_opened_before_a_list_that_failed_raises_its_failure_after_its_events() -> None:
+    """The watch opened before the list fails (say, the API server restarted): what it brought
+    is told, then its failure is raised as a watch's own would be, to resume from its last version."""
+    kube = Scripted(listed=[task("a", "5")], events=[],
+                    during=[("ADDED", task("b", "11")),
+                            ("ERROR", {"code": 410, "message": "too old resource version"})])
+    with pytest.raises(errors.Gone):
+        run(kube, known=False)
 
 
 def test_without_a_wider_watch_the_list_and_the_watch_select_alike_and_events_pass_as_sent() -> None:

@@ -12,12 +12,19 @@ once.
 
 `watch_list=True` lists as a streaming list instead (`sendInitialEvents`, on by default since
 Kubernetes 1.32): the selected objects arrive as the first events of a watch, served from
-the API server's watch cache in one response, and the watch goes on in it. A paginated list
-is a request per page, each read from etcd when the cache cannot serve it; many agents
-listing a deep queue at once make thousands. Its response asks for a longer timeout than a
-watch (`LIST_TIMEOUT_S`). A server that refuses it gets a paginated list, and so does, that
-time, a streaming list the server ends before its last object (an API server ends the watch
-of a reader that falls behind, and a list could still outlast its timeout).
+the API server's watch cache in one response. A paginated list is a request per page, each
+read from etcd when the cache cannot serve it; many agents listing a deep queue at once make
+thousands. Its response asks for a longer timeout than a watch (`LIST_TIMEOUT_S`). A server
+that refuses it gets a paginated list, and so does, that time, a streaming list the server
+ends before its last object (an API server ends the watch of a reader that falls behind, and
+a list could still outlast its timeout).
+
+The watch that follows a streaming list is opened just before it, from the version the list
+then starts at (`_Pinned`): what changes while the list is read waits in it. A deep queue
+that many agents list at once takes minutes, and by then the watch cache may hold none of
+the events since the list's own version (it keeps a few minutes of them, or far fewer once
+it has shrunk after a burst of writes): a watch asked from that version would be answered
+410, and everything listed again.
 """
 
 from __future__ import annotations
@@ -102,6 +109,7 @@ class Reflector:
         self.retried = 0  # pages of a list asked for again after a transient failure
         self._stop = threading.Event()
         self._hangup = Hangup()  # `stop` ends a watch under way at once, not at its next event
+        self._pinned: _Pinned | None = None  # the watch opened before a streaming list, until it is read
         self._rv = since
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
 
@@ -111,6 +119,9 @@ class Reflector:
     def stop(self) -> None:
         self._stop.set()
         self._hangup.hang_up()
+        pinned = self._pinned
+        if pinned is not None:
+            pinned.stop()
 
     @property
     def stopped(self) -> bool:
@@ -118,6 +129,14 @@ class Reflector:
         return self._thread.ident is not None and not self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._resume()
+        finally:
+            pinned = self._pinned
+            if pinned is not None:  # stopped by a permanent error before it was read
+                pinned.stop()
+
+    def _resume(self) -> None:
         backoff = Backoff(base_s=_RETRY_BASE_S, cap_s=_RETRY_CAP_S, healthy_s=_HEALTHY_S)
         while not self._stop.is_set():
             started = time.monotonic()
@@ -148,10 +167,11 @@ class Reflector:
         if not self._rv and self.watch_list:
             try:
                 if self._stream() or self._stop.is_set():
-                    return  # listed, and watched in the same response until it ended
+                    return  # listed: the watch opened before the list goes on (next `_watch`)
                 # Cut short before its list ended: the API server ended the watch of a reader
                 # that fell behind, or even `LIST_TIMEOUT_S` came first. Streamed again it could
-                # be cut again: this time it is listed in pages, as client-go does.
+                # be cut again: this time it is listed in pages, as client-go does, and the
+                # watch opened before the streaming list goes on after it.
                 self.cut_short += 1
                 log.info("the streaming list of %s was cut short by the API server; listing in pages",
                          self.resource.plural)
@@ -220,27 +240,27 @@ class Reflector:
         self._listed(unlisted, since)
 
     def _stream(self) -> bool:
-        """A streaming list, then the watch goes on in the same response (or, with a
-        `watch_field_selector`, in the next request). Whether the list ended: until the bookmark
-        that ends it, a broken stream is a list to start again (`_rv` stays empty)."""
+        """A streaming list, the watch that follows it opened just before (`_Pinned`). Whether
+        the list ended: until the bookmark that ends it, a broken stream is a list to start
+        again (`_rv` stays empty), while the watch opened before it goes on."""
         unlisted = self._unlisted()
         listed = 0
+        version = self._pin()
         self.watches += 1
-        for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version="0",
+        for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=version,
                                      label_selector=self.label_selector, field_selector=self.field_selector,
                                      timeout_s=max(self.watch_timeout_s, LIST_TIMEOUT_S), initial_events=True,
                                      hangup=self._hangup):
             if self._stop.is_set():
-                return bool(self._rv)
+                return False
             kind, obj = event["type"], event["object"]
-            if self._rv or kind == "ERROR":
+            if kind == "ERROR":
                 self._event(kind, obj)
             elif kind == "BOOKMARK":
                 if (obj["metadata"].get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
                     self.pages += 1  # the last, part of a page
                     self._listed(unlisted, obj["metadata"]["resourceVersion"])
-                    if self._narrowed is not None:
-                        return True  # the watch goes on with its own selector (`_watch`)
+                    return True  # the watch goes on in the one opened before (`_watch`)
             else:
                 name = self._name(obj)
                 if unlisted is not None:
@@ -250,7 +270,21 @@ class Reflector:
                 listed += 1
                 if listed % self.page_size == 0:
                     self.pages += 1
-        return bool(self._rv)
+        return False
+
+    def _pin(self) -> str:
+        """Open the watch that follows a list, from the API server's current version (read by
+        a one-object list), and return that version: the list is read as of it or later."""
+        version = str(self.kube.list(self.resource, namespace=self.namespace,
+                                     all_namespaces=self.namespace is None, label_selector=self.label_selector,
+                                     field_selector=self.watch_field_selector, limit=1)["metadata"]["resourceVersion"])
+        if self._pinned is not None:
+            self._pinned.stop()
+        self._pinned = _Pinned(self, version)
+        self.watches += 1
+        if self._stop.is_set():
+            self._pinned.stop()
+        return version
 
     def _unlisted(self) -> _Unlisted | None:
         """Before a list: what is in the picture (none on a first list), struck off as the list
@@ -266,18 +300,30 @@ class Reflector:
                 self._deliver("DELETED", self._stored(name, self.store.pop(name, None)))
         self._rv = version
         self.error = None
+        if self._pinned is not None:
+            self._pinned.listed()
         if self.synced_at is None:
             self.synced_at = time.time()
         self.synced.set()
 
     def _watch(self) -> None:
-        self.watches += 1
-        for event in self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
+        pinned = self._pinned
+        if pinned is None:
+            self.watches += 1
+            events = self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
                                      label_selector=self.label_selector, field_selector=self.watch_field_selector,
-                                     timeout_s=self.watch_timeout_s, hangup=self._hangup, batch_s=self.batch_s):
-            if self._stop.is_set():
-                return
-            self._event(event["type"], event["object"])
+                                     timeout_s=self.watch_timeout_s, hangup=self._hangup, batch_s=self.batch_s)
+        else:
+            events = pinned.events()
+        try:
+            for event in events:
+                if self._stop.is_set():
+                    return
+                self._event(event["type"], event["object"])
+        finally:
+            if pinned is not None:
+                pinned.stop()
+                self._pinned = None
 
     def _event(self, kind: str, obj: JSON) -> None:
         if kind == "ERROR":
@@ -329,6 +375,79 @@ class Reflector:
         except Exception:  # noqa: BLE001
             log.exception("skipping %s %s/%s: it could not be read", self.resource.plural,
                           obj.get("metadata", {}).get("namespace"), obj.get("metadata", {}).get("name"))
+
+
+class _Pinned:
+    """A watch opened before a list, whose events wait until the list has ended: then those
+    that came while it was read are told, each object's last one only (the list showed it as
+    of a version no older than the watch's first, and its last event is its newest state),
+    and the rest as they come, until the watch ends. Its own thread reads it: the list's
+    thread is busy with the list."""
+
+    def __init__(self, reflector: Reflector, version: str) -> None:
+        self._changed = threading.Condition()
+        self._events: list[JSON] = []
+        self._during: int | None = None  # how many came while the list was read, once it has ended
+        self._ended = False
+        self._error: Exception | None = None
+        self._hangup = Hangup()
+        r = reflector
+        watch = r.kube.watch(r.resource, namespace=r.namespace, resource_version=version,
+                             label_selector=r.label_selector, field_selector=r.watch_field_selector,
+                             timeout_s=max(r.watch_timeout_s, LIST_TIMEOUT_S), hangup=self._hangup,
+                             batch_s=r.batch_s)
+        threading.Thread(target=self._read, args=(watch,), name=f"watch-{r.resource.plural}-pinned",
+                         daemon=True).start()
+
+    def _read(self, watch: Iterator[JSON]) -> None:
+        try:
+            for event in watch:
+                with self._changed:
+                    self._events.append(event)
+                    self._changed.notify()
+        except Exception as exc:  # noqa: BLE001 - raised where its events are read (`events`)
+            self._error = exc
+        finally:
+            with self._changed:
+                self._ended = True
+                self._changed.notify()
+
+    def listed(self) -> None:
+        """The list has ended: what arrived until now came while it was read."""
+        with self._changed:
+            if self._during is None:
+                self._during = len(self._events)
+
+    def events(self) -> Iterator[JSON]:
+        """Its events (see the class), then its failure, if it failed, raised."""
+        with self._changed:
+            during = self._during or 0
+        first = True
+        while True:
+            with self._changed:
+                while not self._events and not self._ended:
+                    self._changed.wait()
+                batch, self._events, ended = self._events, [], self._ended
+            if first:
+                batch, first = _latest(batch[:during]) + batch[during:], False
+            yield from batch
+            if ended:
+                if self._error is not None:
+                    raise self._error
+                return
+
+    def stop(self) -> None:
+        self._hangup.hang_up()
+
+
+def _latest(events: list[JSON]) -> list[JSON]:
+    """`events` without those a later event of the same object makes old news (bookmarks and
+    errors stay), in their order."""
+    def key(event: JSON) -> tuple[str, str] | None:
+        meta = event["object"].get("metadata") or {}
+        return None if event["type"] in ("BOOKMARK", "ERROR") else (meta.get("namespace", ""), meta.get("name", ""))
+    last = {key(event): i for i, event in enumerate(events)}
+    return [event for i, event in enumerate(events) if key(event) is None or last[key(event)] == i]
 
 
 class _Unlisted:
