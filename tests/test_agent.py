@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease.agent import Agent, ClaimedTask, Identity
-from tasklease.agent.discovery import task_selector
+from tasklease.agent.discovery import queue_selector, task_selector
 from tasklease.agent.division import owner, weight
 from tasklease.agent.settings import AgentSettings
 from tasklease.api import errors, models
@@ -223,7 +223,8 @@ def test_close_ends_the_watch_threads_at_once_on_a_quiet_queue(kube: Kube) -> No
     view = agent.join("quiet")
     wait_for(lambda: view.listed, message="the queue listed")  # all three watches are past their lists
     watching = [t for t in threading.enumerate() if t not in before and t.name.startswith("watch-")]
-    assert len(watching) == 3  # the queue's Tasks, free Leases and members
+    # The queue's free Leases and members, its Tasks, and the Tasks' watch opened before their list.
+    assert sorted(t.name for t in watching) == ["watch-leases", "watch-leases", "watch-tasks", "watch-tasks-pinned"]
     agent.close()
     wait_for(lambda: not any(t.is_alive() for t in watching), timeout=5, message="the watch threads to end")
 
@@ -347,9 +348,11 @@ def _hold_the_task_list(kube: Kube, queue: str) -> tuple[threading.Event, list[i
 
     def counted(method: str, path: str, **kwargs: Any) -> JSON:
         # A read's first page: a LIST of the queue's Tasks with no label selector (the reads
-        # beside and after it select by rank).
+        # beside and after it select by rank), not the version read before the list (one
+        # object of the whole queue).
         query = kwargs.get("query") or {}
-        reads[0] += path == TASKS.path(kube.namespace) and "limit" in query and "labelSelector" not in query
+        reads[0] += (path == TASKS.path(kube.namespace) and "limit" in query and "labelSelector" not in query
+                     and query.get("fieldSelector") != queue_selector(queue))
         return request(method, path, **kwargs)
     kube.watch = held  # type: ignore[method-assign]
     kube.request = counted  # type: ignore[method-assign]

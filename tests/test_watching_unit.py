@@ -59,8 +59,10 @@ class Scripted:
                                                                "annotations": {INITIAL_EVENTS_END: "true"}}}}
             raise AssertionError("the streaming list went on after its end, in place of the watch")
         self.requests.append(("watch", field_selector))
-        yield from ({"type": kind, "object": obj} for kind, obj in self.during)
-        self.told.set()  # run once its reader asked for more: it has the last of them
+        try:
+            yield from ({"type": kind, "object": obj} for kind, obj in self.during)
+        finally:  # its reader asked for more (it has the last of them), or gave up on it
+            self.told.set()
         assert self.released.wait(10)
         yield from ({"type": kind, "object": obj} for kind, obj in self.events)
 
@@ -124,6 +126,20 @@ def test_what_changed_while_the_list_was_read_is_told_after_it_each_object_as_it
                     "DELETED a"]  # after it
     assert "10" not in kube.versions and reflector._rv == "17" and reflector.lists == 1
     assert sorted(reflector.store) == ([] if known else ["c", "d"])
+
+
+def test_too_many_objects_changed_while_the_list_was_read_and_the_watch_starts_after_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What waits for the list's end is bounded: beyond `_PINNED_MAX` objects changed, the
+    watch opened before the list is given up, and the watch after it is asked for from the
+    list's own version (then the API server has every change since, or answers 410)."""
+    monkeypatch.setattr(watching, "_PINNED_MAX", 2)
+    kube = Scripted(listed=[task("a", "5")], events=[],
+                    during=[("ADDED", task(name, rv)) for name, rv in (("b", "11"), ("c", "12"), ("d", "13"))])
+    seen, reflector = run(kube, known=False)
+    assert seen == ["ADDED a"] and reflector._rv == "10"  # the list's: nothing that waited was told
+    reflector._list_and_watch()
+    assert kube.versions[-1] == "10" and kube.requests[-1] == ("watch", "spec.queue=q")
 
 
 def test_a_watch_opened_before_a_list_that_failed_raises_its_failure_after_its_events() -> None:

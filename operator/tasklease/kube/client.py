@@ -13,7 +13,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -265,7 +265,7 @@ class Kube:
     def watch(self, res: Resource, *, namespace: str | None, resource_version: str,
               label_selector: str = "", field_selector: str = "", timeout_s: int = 300,
               initial_events: bool = False, hangup: Hangup | None = None,
-              quiet_s: float = _WATCH_READ_TIMEOUT_S, batch_s: float = 0.0) -> Iterator[JSON]:
+              quiet_s: float = _WATCH_READ_TIMEOUT_S, batch_s: float = 0.0) -> Generator[JSON, None, None]:
         """Stream watch events from `resource_version` until the server closes the stream. With
         `initial_events`, the stream starts with an ADDED event for every selected object as of
         a version not older than `resource_version` ("0": any the server's watch cache has),

@@ -34,7 +34,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator
 
 from tasklease.api import errors
 from tasklease.api.retry import Backoff, transient
@@ -48,6 +48,10 @@ LIST_TIMEOUT_S = 1800
 # its retry waits the shortest delay again (an API server restarted twice is two outages).
 _HEALTHY_S = 10.0
 _RETRY_BASE_S, _RETRY_CAP_S = 0.5, 30.0  # the first and the longest wait before a retry
+# Objects whose changes a watch opened before a list keeps while the list is read (`_Pinned`):
+# at a few kilobytes each, a busy queue listed for minutes would otherwise cost an agent more
+# than its whole index.
+_PINNED_MAX = 4096
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +312,7 @@ class Reflector:
 
     def _watch(self) -> None:
         pinned = self._pinned
+        events: Iterator[JSON]
         if pinned is None:
             self.watches += 1
             events = self.kube.watch(self.resource, namespace=self.namespace, resource_version=self._rv,
@@ -382,12 +387,17 @@ class _Pinned:
     that came while it was read are told, each object's last one only (the list showed it as
     of a version no older than the watch's first, and its last event is its newest state),
     and the rest as they come, until the watch ends. Its own thread reads it: the list's
-    thread is busy with the list."""
+    thread is busy with the list. What waits is one event per object changed, at most
+    `_PINNED_MAX`: beyond that the watch is given up, and the one after the list is asked
+    for from the list's own version, as if there had been none."""
 
     def __init__(self, reflector: Reflector, version: str) -> None:
         self._changed = threading.Condition()
-        self._events: list[JSON] = []
-        self._during: int | None = None  # how many came while the list was read, once it has ended
+        self._waiting: dict[tuple[str, str], JSON] = {}  # while the list is read: (namespace, name) → last event
+        self._version = ""  # of the last event that waits
+        self._failed: JSON | None = None  # an ERROR event while the list is read
+        self._events: list[JSON] = []  # once the list has ended
+        self._listed = False
         self._ended = False
         self._error: Exception | None = None
         self._hangup = Hangup()
@@ -399,37 +409,63 @@ class _Pinned:
         threading.Thread(target=self._read, args=(watch,), name=f"watch-{r.resource.plural}-pinned",
                          daemon=True).start()
 
-    def _read(self, watch: Iterator[JSON]) -> None:
+    def _read(self, watch: Generator[JSON, None, None]) -> None:
         try:
             for event in watch:
                 with self._changed:
-                    self._events.append(event)
-                    self._changed.notify()
+                    if self._listed:
+                        self._events.append(event)
+                        self._changed.notify()
+                    elif not self._wait(event):
+                        log.info("more than %d objects changed while a list was read; its watch starts after it",
+                                 _PINNED_MAX)
+                        self._waiting.clear()
+                        self._version = ""
+                        return
         except Exception as exc:  # noqa: BLE001 - raised where its events are read (`events`)
             self._error = exc
         finally:
+            watch.close()
             with self._changed:
                 self._ended = True
                 self._changed.notify()
 
+    def _wait(self, event: JSON) -> bool:
+        """Keep `event` until the list has ended, in place of the object's earlier one; False
+        when too many objects wait."""
+        if event["type"] == "ERROR":  # the last: the server ends the watch after it
+            self._failed = event
+            return True
+        meta = event["object"]["metadata"]
+        self._version = meta["resourceVersion"]
+        if event["type"] == "BOOKMARK":
+            return True
+        key = (str(meta.get("namespace", "")), str(meta["name"]))
+        self._waiting.pop(key, None)  # its last event comes after every other that waits
+        self._waiting[key] = event
+        return len(self._waiting) <= _PINNED_MAX
+
     def listed(self) -> None:
         """The list has ended: what arrived until now came while it was read."""
         with self._changed:
-            if self._during is None:
-                self._during = len(self._events)
+            self._listed = True
 
     def events(self) -> Iterator[JSON]:
         """Its events (see the class), then its failure, if it failed, raised."""
         with self._changed:
-            during = self._during or 0
-        first = True
+            self._listed = True
+            waited = list(self._waiting.values())
+            if self._version:  # the version of the last that waited, told or not
+                waited.append({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": self._version}}})
+            if self._failed is not None:
+                waited.append(self._failed)
+            self._waiting.clear()
+        yield from waited
         while True:
             with self._changed:
                 while not self._events and not self._ended:
                     self._changed.wait()
                 batch, self._events, ended = self._events, [], self._ended
-            if first:
-                batch, first = _latest(batch[:during]) + batch[during:], False
             yield from batch
             if ended:
                 if self._error is not None:
@@ -438,16 +474,6 @@ class _Pinned:
 
     def stop(self) -> None:
         self._hangup.hang_up()
-
-
-def _latest(events: list[JSON]) -> list[JSON]:
-    """`events` without those a later event of the same object makes old news (bookmarks and
-    errors stay), in their order."""
-    def key(event: JSON) -> tuple[str, str] | None:
-        meta = event["object"].get("metadata") or {}
-        return None if event["type"] in ("BOOKMARK", "ERROR") else (meta.get("namespace", ""), meta.get("name", ""))
-    last = {key(event): i for i, event in enumerate(events)}
-    return [event for i, event in enumerate(events) if key(event) is None or last[key(event)] == i]
 
 
 class _Unlisted:
