@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, Cluster, Operator, Process, make_task, tasklease_cmd, wait_for
 from tasklease.agent import Agent, ClaimedTask, Identity
-from tasklease.agent.discovery import queue_selector, task_selector
+from tasklease.agent.discovery import task_selector
 from tasklease.agent.division import owner, weight
 from tasklease.agent.settings import AgentSettings
 from tasklease.api import errors, models
@@ -349,10 +349,10 @@ def _hold_the_task_list(kube: Kube, queue: str) -> tuple[threading.Event, list[i
     def counted(method: str, path: str, **kwargs: Any) -> JSON:
         # A read's first page: a LIST of the queue's Tasks with no label selector (the reads
         # beside and after it select by rank), not the version read before the list (one
-        # object of the whole queue).
+        # object, unselected).
         query = kwargs.get("query") or {}
         reads[0] += (path == TASKS.path(kube.namespace) and "limit" in query and "labelSelector" not in query
-                     and query.get("fieldSelector") != queue_selector(queue))
+                     and "fieldSelector" in query)
         return request(method, path, **kwargs)
     kube.watch = held  # type: ignore[method-assign]
     kube.request = counted  # type: ignore[method-assign]

@@ -241,10 +241,21 @@ def test_a_list_that_outlives_the_watch_caches_history_is_not_made_again(kube: K
     def forgetful(*args: Any, initial_events: bool = False, resource_version: str, **kwargs: Any) -> Iterator[JSON]:
         if resource_version in bookmark:  # as the API server answers once its cache has moved on
             gone.append(resource_version)
-            return iter([{"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}])
+            expired = {"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}
+            return (event for event in [expired])
         events = watch(*args, initial_events=initial_events, resource_version=resource_version, **kwargs)
         return during(events) if initial_events else events
+    listed = kube.list
+
+    def versioned(*args: Any, limit: int = 0, **kwargs: Any) -> JSON:
+        answer = listed(*args, limit=limit, **kwargs)
+        if limit == 1 and not bookmark:  # the version read before the list: a change the list shows too
+            changed = kube.get(TASKS, "h-1")
+            changed["metadata"]["labels"] = {"changed": "before-the-list"}
+            kube.replace(TASKS, changed)
+        return answer
     kube.watch = forgetful  # type: ignore[method-assign]
+    kube.list = versioned  # type: ignore[method-assign]
     seen = Seen()
     reflector = Reflector(kube, TASKS, namespace=kube.namespace, listener=seen, keep_objects=False,
                           field_selector=task_selector("history"), watch_field_selector=queue_selector("history"),
@@ -258,6 +269,7 @@ def test_a_list_that_outlives_the_watch_caches_history_is_not_made_again(kube: K
     reflector.stop()
     assert reflector.lists == 1 and reflector.watches == 2 and gone == []
     assert seen.count("MODIFIED h-0") == 1  # its one change, told once
+    assert seen.count("MODIFIED h-1") == 1  # listed changed, and told once more (no older state)
     assert set(reflector.store) == {f"h-{i}" for i in range(5)} | {"h-new", "h-late"}
 
 

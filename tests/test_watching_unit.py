@@ -98,7 +98,7 @@ def test_a_wider_watch_is_narrowed_to_what_the_list_selects(known: bool) -> None
                 ("MODIFIED", task("b", "17", "Pending")),  # back among the open ones
                 ("DELETED", task("c", "18", "Running"))])
     seen, reflector = run(kube, known=known)
-    assert sorted(kube.requests) == [("list", OPEN), ("version", "spec.queue=q"), ("watch", "spec.queue=q")]
+    assert sorted(kube.requests) == [("list", OPEN), ("version", ""), ("watch", "spec.queue=q")]
     assert kube.versions == ["9", "9"]  # the list as of the version the watch starts from, or later
     assert seen == ["ADDED a", "ADDED b", "DELETED a", "ADDED c", "MODIFIED c", "DELETED b", "ADDED b",
                     "DELETED c"]
@@ -121,9 +121,10 @@ def test_what_changed_while_the_list_was_read_is_told_after_it_each_object_as_it
                 ("MODIFIED", task("d", "16"))],  # and retried: open again, as the list showed it
         events=[("MODIFIED", task("a", "17", "Succeeded"))])
     seen, reflector = run(kube, known=known)
-    assert seen == ["ADDED a", "ADDED b", "ADDED d",  # the list
-                    "MODIFIED a", "ADDED c", "DELETED b", "MODIFIED d",  # while it was read: the last of each
-                    "DELETED a"]  # after it
+    assert seen[:3] == ["ADDED a", "ADDED b", "ADDED d"]  # the list
+    # While it was read: the last change of each.
+    assert sorted(seen[3:7]) == ["ADDED c", "DELETED b", "MODIFIED a", "MODIFIED d"]
+    assert seen[7:] == ["DELETED a"]  # after it
     assert "10" not in kube.versions and reflector._rv == "17" and reflector.lists == 1
     assert sorted(reflector.store) == ([] if known else ["c", "d"])
 
@@ -143,13 +144,39 @@ def test_too_many_objects_changed_while_the_list_was_read_and_the_watch_starts_a
 
 
 def test_a_watch_opened_before_a_list_that_failed_raises_its_failure_after_its_events() -> None:
-    """The watch opened before the list fails (say, the API server restarted): what it brought
-    is told, then its failure is raised as a watch's own would be, to resume from its last version."""
+    """The watch opened before the list fails: what it brought is told, then its failure is
+    raised as a watch's own would be (a 410 lists again)."""
     kube = Scripted(listed=[task("a", "5")], events=[],
                     during=[("ADDED", task("b", "11")),
                             ("ERROR", {"code": 410, "message": "too old resource version"})])
+    seen: list[str] = []
+    reflector = Reflector(kube, TASKS, namespace="ns", watch_list=True,  # type: ignore[arg-type]
+                          listener=lambda kind, obj: seen.append(f"{kind} {obj['metadata']['name']}"))
+    reflector._list_and_watch()
     with pytest.raises(errors.Gone):
-        run(kube, known=False)
+        reflector._list_and_watch()
+    assert seen == ["ADDED a", "ADDED b"] and reflector._rv == "11"
+
+
+def test_a_watch_whose_close_fails_still_ends_and_its_failure_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given up on (too many changes while the list was read), the watch opened before it is
+    closed; a close that fails ends it all the same: the reflector never waits on it for ever."""
+    monkeypatch.setattr(watching, "_PINNED_MAX", 1)
+    kube = Scripted(listed=[], events=[], during=[("ADDED", task("b", "11")), ("ADDED", task("c", "12"))])
+    watch = kube.watch
+
+    def failing_close(*args: Any, **kwargs: Any) -> Iterator[JSON]:
+        try:
+            yield from watch(*args, **kwargs)
+        finally:
+            if not kwargs.get("initial_events"):
+                raise RuntimeError("the connection could not be closed")
+    kube.watch = failing_close  # type: ignore[method-assign]
+    reflector = Reflector(kube, TASKS, namespace="ns", listener=lambda *_: None,  # type: ignore[arg-type]
+                          watch_list=True)
+    reflector._list_and_watch()
+    with pytest.raises(RuntimeError, match="could not be closed"):
+        reflector._list_and_watch()
 
 
 def test_without_a_wider_watch_the_list_and_the_watch_select_alike_and_events_pass_as_sent() -> None:

@@ -52,6 +52,7 @@ _RETRY_BASE_S, _RETRY_CAP_S = 0.5, 30.0  # the first and the longest wait before
 # at a few kilobytes each, a busy queue listed for minutes would otherwise cost an agent more
 # than its whole index.
 _PINNED_MAX = 4096
+_PINNED_GONE_MAX = 65536  # of those that left a narrowed watch's selection (a name and version each)
 
 log = logging.getLogger(__name__)
 
@@ -278,10 +279,10 @@ class Reflector:
 
     def _pin(self) -> str:
         """Open the watch that follows a list, from the API server's current version (read by
-        a one-object list), and return that version: the list is read as of it or later."""
-        version = str(self.kube.list(self.resource, namespace=self.namespace,
-                                     all_namespaces=self.namespace is None, label_selector=self.label_selector,
-                                     field_selector=self.watch_field_selector, limit=1)["metadata"]["resourceVersion"])
+        a one-object list, unselected: a server that filters a selector itself could read far
+        for one match), and return that version: the list is read as of it or later."""
+        version = str(self.kube.list(self.resource, namespace=self.namespace, all_namespaces=self.namespace is None,
+                                     limit=1)["metadata"]["resourceVersion"])
         if self._pinned is not None:
             self._pinned.stop()
         self._pinned = _Pinned(self, version)
@@ -387,13 +388,19 @@ class _Pinned:
     that came while it was read are told, each object's last one only (the list showed it as
     of a version no older than the watch's first, and its last event is its newest state),
     and the rest as they come, until the watch ends. Its own thread reads it: the list's
-    thread is busy with the list. What waits is one event per object changed, at most
-    `_PINNED_MAX`: beyond that the watch is given up, and the one after the list is asked
-    for from the list's own version, as if there had been none."""
+    thread is busy with the list. What waits is one event per object changed: at most
+    `_PINNED_MAX` whole, and `_PINNED_GONE_MAX` more of a narrowed watch's objects that left
+    the list's selection (their name and version only: all a reflector tells of them is a
+    DELETED). Beyond that the watch is given up, and the one after the list is asked for
+    from the list's own version, as if there had been none. Once the list has ended, at most
+    `_PINNED_MAX` events wait for the reflector to read them: the reader then reads no more
+    (and an API server ends the watch of a reader that falls behind)."""
 
     def __init__(self, reflector: Reflector, version: str) -> None:
         self._changed = threading.Condition()
+        self._narrowed = reflector._narrowed
         self._waiting: dict[tuple[str, str], JSON] = {}  # while the list is read: (namespace, name) → last event
+        self._gone: dict[tuple[str, str], tuple[str, str]] = {}  # → (uid, resourceVersion): left the selection
         self._version = ""  # of the last event that waits
         self._failed: JSON | None = None  # an ERROR event while the list is read
         self._events: list[JSON] = []  # once the list has ended
@@ -411,24 +418,29 @@ class _Pinned:
 
     def _read(self, watch: Generator[JSON, None, None]) -> None:
         try:
-            for event in watch:
-                with self._changed:
-                    if self._listed:
-                        self._events.append(event)
-                        self._changed.notify()
-                    elif not self._wait(event):
-                        log.info("more than %d objects changed while a list was read; its watch starts after it",
-                                 _PINNED_MAX)
-                        self._waiting.clear()
-                        self._version = ""
-                        return
+            try:
+                for event in watch:
+                    with self._changed:
+                        if self._listed:
+                            while len(self._events) >= _PINNED_MAX and not self._hangup.hung_up:
+                                self._changed.wait(1.0)
+                            self._events.append(event)
+                            self._changed.notify_all()
+                        elif not self._wait(event):
+                            log.info("too many objects changed while a list of %s was read; its watch starts "
+                                     "after it", event["object"]["metadata"].get("namespace", "objects"))
+                            self._waiting.clear()
+                            self._gone.clear()
+                            self._version = ""
+                            return
+            finally:
+                watch.close()
         except Exception as exc:  # noqa: BLE001 - raised where its events are read (`events`)
             self._error = exc
         finally:
-            watch.close()
             with self._changed:
                 self._ended = True
-                self._changed.notify()
+                self._changed.notify_all()
 
     def _wait(self, event: JSON) -> bool:
         """Keep `event` until the list has ended, in place of the object's earlier one; False
@@ -442,8 +454,13 @@ class _Pinned:
             return True
         key = (str(meta.get("namespace", "")), str(meta["name"]))
         self._waiting.pop(key, None)  # its last event comes after every other that waits
-        self._waiting[key] = event
-        return len(self._waiting) <= _PINNED_MAX
+        self._gone.pop(key, None)
+        if self._narrowed is not None and (event["type"] == "DELETED" or not _selects(self._narrowed,
+                                                                                      event["object"])):
+            self._gone[key] = (str(meta.get("uid", "")), self._version)
+        else:
+            self._waiting[key] = event
+        return len(self._waiting) <= _PINNED_MAX and len(self._gone) <= _PINNED_GONE_MAX
 
     def listed(self) -> None:
         """The list has ended: what arrived until now came while it was read."""
@@ -455,17 +472,22 @@ class _Pinned:
         with self._changed:
             self._listed = True
             waited = list(self._waiting.values())
+            waited += ({"type": "DELETED", "object": {"metadata": {"namespace": namespace, "name": name, "uid": uid,
+                                                                   "resourceVersion": version}}}
+                       for (namespace, name), (uid, version) in self._gone.items())
             if self._version:  # the version of the last that waited, told or not
                 waited.append({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": self._version}}})
             if self._failed is not None:
                 waited.append(self._failed)
             self._waiting.clear()
+            self._gone.clear()
         yield from waited
         while True:
             with self._changed:
                 while not self._events and not self._ended:
                     self._changed.wait()
                 batch, self._events, ended = self._events, [], self._ended
+                self._changed.notify_all()
             yield from batch
             if ended:
                 if self._error is not None:
@@ -474,6 +496,8 @@ class _Pinned:
 
     def stop(self) -> None:
         self._hangup.hang_up()
+        with self._changed:
+            self._changed.notify_all()
 
 
 class _Unlisted:
