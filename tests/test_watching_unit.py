@@ -4,7 +4,7 @@ listener sees exactly what the list's selector would show (no API server: a scri
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -35,7 +35,7 @@ class Scripted:
     records the requests and the version each asked for."""
 
     def __init__(self, listed: list[JSON], events: list[tuple[str, JSON]],
-                 during: list[tuple[str, JSON]] = ()) -> None:  # type: ignore[assignment]
+                 during: Sequence[tuple[str, JSON]] = ()) -> None:
         self.listed, self.events, self.during = listed, events, list(during)
         self.requests: list[tuple[str, str]] = []
         self.versions: list[str] = []

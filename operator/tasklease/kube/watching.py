@@ -399,8 +399,10 @@ class _Pinned:
     def __init__(self, reflector: Reflector, version: str) -> None:
         self._changed = threading.Condition()
         self._narrowed = reflector._narrowed
-        self._waiting: dict[tuple[str, str], JSON] = {}  # while the list is read: (namespace, name) → last event
-        self._gone: dict[tuple[str, str], tuple[str, str]] = {}  # → (uid, resourceVersion): left the selection
+        self._name, self._stored = reflector._name, reflector._stored  # its names, as the reflector's store keys
+        self._plural = reflector.resource.plural
+        self._waiting: dict[str, JSON] = {}  # while the list is read: name → last event
+        self._gone: dict[str, tuple[str, str]] = {}  # → (uid, resourceVersion): left the selection
         self._version = ""  # of the last event that waits
         self._failed: JSON | None = None  # an ERROR event while the list is read
         self._events: list[JSON] = []  # once the list has ended
@@ -428,7 +430,7 @@ class _Pinned:
                             self._changed.notify_all()
                         elif not self._wait(event):
                             log.info("too many objects changed while a list of %s was read; its watch starts "
-                                     "after it", event["object"]["metadata"].get("namespace", "objects"))
+                                     "after it", self._plural)
                             self._waiting.clear()
                             self._gone.clear()
                             self._version = ""
@@ -452,7 +454,7 @@ class _Pinned:
         self._version = meta["resourceVersion"]
         if event["type"] == "BOOKMARK":
             return True
-        key = (str(meta.get("namespace", "")), str(meta["name"]))
+        key = self._name(event["object"])
         self._waiting.pop(key, None)  # its last event comes after every other that waits
         self._gone.pop(key, None)
         if self._narrowed is not None and (event["type"] == "DELETED" or not _selects(self._narrowed,
@@ -472,9 +474,7 @@ class _Pinned:
         with self._changed:
             self._listed = True
             waited = list(self._waiting.values())
-            waited += ({"type": "DELETED", "object": {"metadata": {"namespace": namespace, "name": name, "uid": uid,
-                                                                   "resourceVersion": version}}}
-                       for (namespace, name), (uid, version) in self._gone.items())
+            waited += ({"type": "DELETED", "object": self._stored(name, kept)} for name, kept in self._gone.items())
             if self._version:  # the version of the last that waited, told or not
                 waited.append({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": self._version}}})
             if self._failed is not None:
