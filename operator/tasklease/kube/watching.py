@@ -427,7 +427,8 @@ class _Pinned:
                             while len(self._events) >= _PINNED_MAX and not self._hangup.hung_up:
                                 self._changed.wait(1.0)
                             self._events.append(event)
-                            self._changed.notify_all()
+                            if len(self._events) == 1:  # its reader waits only for an empty list
+                                self._changed.notify_all()
                         elif not self._wait(event):
                             log.info("too many objects changed while a list of %s was read; its watch starts "
                                      "after it", self._plural)
