@@ -271,7 +271,7 @@ def test_a_thief_leaves_a_new_task_to_its_owner_until_it_could_have_been_told_ta
     view._on_task("ADDED", task(theirs[2]))  # in the first list: not new, nobody is telling of it
     assert [t.name for t, _ in view.choose("me/x", now_utc(), window=8)[0]] == [theirs[2]]
     view._on_task("DELETED", task(theirs[2]))
-    view.task_watch.synced.set()  # what comes now is new
+    view.task_watch.synced.started.set()  # listed (no watch to wait for): what comes now is new
     for name in theirs[:2]:
         view._on_task("ADDED", task(name))
     candidates, division = view.choose("me/x", now_utc(), window=8)
@@ -641,9 +641,10 @@ def test_the_task_watch_keeps_no_store_of_its_own_and_a_relist_still_finds_what_
         def now(self) -> Any:
             return now_utc()
     view = QueueView(Pages(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
-    view.task_watch._relist()
-    assert view.claimable_count() == 2 and view.task_watch.store == {} and view.task_watch.has("b")
-    view.task_watch._relist()  # "b" was deleted while the watch was away
+    wide = view.task_watch.reflectors()[0]  # the fake lists the same for every selector
+    wide._relist()
+    assert view.claimable_count() == 2 and wide.store == {} and view.task_watch.has("b")
+    wide._relist()  # "b" was deleted while the watch was away
     assert view.claimable_count() == 1 and not view.task_watch.has("b")
 
 
@@ -673,10 +674,11 @@ def test_a_task_listed_again_unchanged_is_not_decoded_again_and_a_changed_one_is
     view = QueueView(Pages(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
     seen: list[str] = []
     view.task_listeners.append(lambda kind, obj: seen.append(f"{kind} {obj['metadata']['name']}"))
-    view.task_watch._relist()
+    wide = view.task_watch.reflectors()[0]  # the fake lists the same for every selector
+    wide._relist()
     assert decoded == ["a", "b"] and view.claimable_count() == 2
-    view.task_watch._relist()  # the same again
+    wide._relist()  # the same again
     assert decoded == ["a", "b"] and view.claimable_count() == 2
-    view.task_watch._relist()  # "b" moved to a higher band meanwhile
+    wide._relist()  # "b" moved to a higher band meanwhile
     assert decoded == ["a", "b", "b"] and view.choose("me/x", now_utc(), window=8)[0][0][0].name == "b"
     assert seen == ["ADDED a", "ADDED b"] * 3  # the listeners are told of each, news or not

@@ -73,7 +73,8 @@ class PagedKube:
 
     def list_pages(self, res: Any, **kwargs: Any) -> Iterator[dict[str, Any]]:
         from tasklease.kube import decode  # what the client decodes with
-        for first in range(0, self.tasks, _PAGE):
+        unsharded = "notin" in kwargs.get("label_selector", "")  # the only watch that selects these tasks
+        for first in range(0, self.tasks if unsharded else 0, _PAGE):
             # One task at a time, as an answer's bytes arrive: nothing but the bytes outlives this.
             items = b",".join(json.dumps(task_json(i, self.start)).encode()
                               for i in range(first, min(first + _PAGE, self.tasks)))
@@ -94,7 +95,7 @@ def _fill(tasks: int, top: int) -> dict[str, Any]:
     if top:
         tracemalloc.start(5)
     view = QueueView(PagedKube(tasks), namespace=NAMESPACE, queue=QUEUE)  # type: ignore[arg-type]
-    view.task_watch._relist()
+    _relist(view)
     out: dict[str, Any] = {"tasks": tasks, "claimable": view.claimable_count(), "rss_before_mb": base,
                            "rss_after_mb": _status_mb("VmRSS"), "hwm_mb": _status_mb("VmHWM"),
                            "cpu_s": time.process_time() - cpu}
@@ -102,9 +103,16 @@ def _fill(tasks: int, top: int) -> dict[str, Any]:
     if top:
         out.update(allocations(top, tasks))
     # Listed again, as after a streaming list the API server cut short: its peak is the agent's.
-    view.task_watch._relist()
+    _relist(view)
     out.update(relisted=view.claimable_count(), relist_hwm_mb=_status_mb("VmHWM"))
     return out
+
+
+def _relist(view: Any) -> None:
+    """The view's Task watches list (the tasks have the default rank and no shard: the watch
+    every agent keeps takes them all, the most an agent holds)."""
+    for r in view.task_watch.reflectors():
+        r._relist()
 
 
 def allocations(top: int, tasks: int) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from tasklease.api import errors
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.kube.watching import Listener, Reflector
 from tasklease.agent.discovery import queue_selector, task_selector
+from tasklease.agent.taskwatch import TaskWatches
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ _SYNC_S = 30.0  # how long a late check waits for its queue's watch to list
 
 
 class _QueueFollower:
-    def __init__(self, kube: Kube, key: Key, reflector: Reflector | None = None,
+    def __init__(self, kube: Kube, key: Key, reflector: TaskWatches | None = None,
                  lock: threading.Lock | None = None) -> None:
         """`lock`: the one of the `Followers` this belongs to (it guards `watchers` and `ended`)."""
         self.key = key
@@ -45,10 +46,16 @@ class _QueueFollower:
         self.ended: OrderedDict[str, str] = OrderedDict()  # uid → why, newest last
         # Open tasks only, as the agents' own watch: a task that leaves it arrives as DELETED.
         # Only identities are kept: the events carry what a cancel needs.
-        self.reflector = reflector or Reflector(
-            kube, TASKS, namespace=key[0], field_selector=task_selector(key[1]),
-            watch_field_selector=queue_selector(key[1]), listener=self.seen,
-            watch_timeout_s=_WATCH_TIMEOUT_S, keep_objects=False)
+        # A task of a shard the agent's own watches leave out is checked when followed (`verify`).
+        self.own: Reflector | None = None
+        self.reflector: Reflector | TaskWatches
+        if reflector is None:
+            self.reflector = self.own = Reflector(
+                kube, TASKS, namespace=key[0], field_selector=task_selector(key[1]),
+                watch_field_selector=queue_selector(key[1]), listener=self.seen,
+                watch_timeout_s=_WATCH_TIMEOUT_S, keep_objects=False)
+        else:
+            self.reflector = reflector
 
     def seen(self, kind: str, obj: JSON) -> None:
         meta: dict[str, Any] = obj["metadata"]
@@ -126,7 +133,7 @@ class Followers:
         self._own: dict[Key, _QueueFollower] = {}  # with a watch of their own
         self._shared: dict[Key, _QueueFollower] = {}  # served by the agent's QueueView
 
-    def share(self, *, namespace: str, queue: str, tasks: Reflector,
+    def share(self, *, namespace: str, queue: str, tasks: TaskWatches,
               listeners: list[Listener]) -> Callable[[], None]:
         """Follow the claims of `queue` from `tasks`, the agent's running watch of the queue's open
         Tasks (the same selector), instead of opening one more per claim. `listeners` are the ones
@@ -166,8 +173,8 @@ class Followers:
         if why is not None:
             on_cancel(why)
             return following
-        if fresh:
-            follower.reflector.start()
+        if fresh and follower.own is not None:
+            follower.own.start()
         if follower.reflector.synced.is_set():
             self._verify_if_absent(follower, name, uid)
         else:  # never block the claim: check once the first list is in

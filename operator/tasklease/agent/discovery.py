@@ -31,9 +31,10 @@ from typing import TypeVar
 
 from tasklease.agent.candidates import CandidateIndex
 from tasklease.agent.compact import compact, expand
-from tasklease.agent.division import Division, Ownership, divide, owned_weight, owner
+from tasklease.agent.division import SHARDS, Division, Ownership, divide, owned_weight, owner, viewers
+from tasklease.agent.taskwatch import TaskWatches
 from tasklease.api import errors, models
-from tasklease.kube import JSON, LEASES, TASKS, Kube
+from tasklease.kube import JSON, LEASES, Kube
 from tasklease.kube.watching import Listener, Reflector
 from tasklease.protocol import LeaseRecord, TaskView, members, record
 from tasklease.protocol.rules import Blocker, blocker
@@ -102,10 +103,13 @@ def _count_down(counter: Counter[K], key: K) -> None:
 class QueueView:
     """A live, thread-safe picture of one queue's open tasks, their Leases and which are claimable."""
 
-    def __init__(self, kube: Kube, *, namespace: str, queue: str,
+    def __init__(self, kube: Kube, *, namespace: str, queue: str, holder: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock`: seconds, for how long tasks have been candidates (tests inject one)."""
+        """`holder`: the agent that claims through this view; it watches the tasks of the
+        shards it views only (`TaskWatches`). Without one, every shard is watched.
+        `clock`: seconds, for how long tasks have been candidates (tests inject one)."""
         self.queue = queue
+        self._holder = holder
         self._clock = clock
         self._now = kube.now  # the API server's time: what a Task's and a Lease's times mean
         self._namespace = namespace
@@ -128,6 +132,7 @@ class QueueView:
         self._owners: dict[str, Ownership] = {}  # name → its owner among `_owners_of`
         self._ours: dict[str, float | None] = {}  # name → our weight if ours among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
+        self._viewers: tuple[frozenset[str], ...] = viewers(frozenset())  # per shard, among `_owners_of`
         # Others' candidates whose owner is claiming (name → the owner, "" while every peer is,
         # and the band): out of the index until it stops claiming or the peers change. Without
         # this, every look would pass again what its owner took and has not told. Counted by
@@ -140,10 +145,10 @@ class QueueView:
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
         self.task_listeners: list[Listener] = []  # also told of every Task event, after the view
         self.join_listeners: list[Callable[[str], None]] = []  # told of each member that joins
+        self._tasks_watch = TaskWatches(kube, namespace=namespace, queue=queue, listener=self._on_task,
+                                        drop=self._on_dropped, field_selector=task_selector(queue),
+                                        watch_field_selector=queue_selector(queue), batch_s=_TASK_BATCH_S)
         self._reflectors = [
-            Reflector(kube, TASKS, namespace=namespace, field_selector=task_selector(queue),
-                      watch_field_selector=queue_selector(queue), listener=self._on_task,
-                      keep_objects=False, known=self._tasks.keys, watch_list=True, batch_s=_TASK_BATCH_S),
             Reflector(kube, LEASES, namespace=namespace, label_selector=lease_selector(queue),
                       listener=self._on_lease, keep_objects=False),
             Reflector(kube, LEASES, namespace=namespace, label_selector=members.selector(queue),
@@ -159,9 +164,9 @@ class QueueView:
         `failing_s`: a watch whose requests fail (the API server cannot be reached) is given
         up on after that long, if sooner (a claim's own timeout)."""
         failing = min(timeout_s, timeout_s if failing_s is None else failing_s)
-        for r in self._reflectors[1:]:
+        for r in self._reflectors:
             r.start()
-        for r in self._reflectors[1:]:  # both listed at once
+        for r in self._reflectors:  # both listed at once
             self._await(r, first_page=False, timeout_s=timeout_s, failing_s=failing)
         if tasks:
             self.start_tasks()
@@ -173,9 +178,10 @@ class QueueView:
         with self._changed:
             if not self._tasks_started:
                 self._tasks_started = True
-                self.task_watch.start()
+                self._divide(frozenset((*(m.holder for m in self._live_members(self._now())), self._holder)))
+                self.task_watch.start(self._viewed())
 
-    def _await(self, r: Reflector, *, first_page: bool, timeout_s: float, failing_s: float) -> None:
+    def _await(self, r: Reflector | TaskWatches, *, first_page: bool, timeout_s: float, failing_s: float) -> None:
         began = time.monotonic()
         deadline = began + timeout_s
         pages = 0
@@ -222,6 +228,7 @@ class QueueView:
             return [found[n] for n in division.names], division
 
     def stop(self) -> None:
+        self.task_watch.stop()
         for r in self._reflectors:
             r.stop()
 
@@ -231,9 +238,24 @@ class QueueView:
             self._bump()
 
     @property
-    def task_watch(self) -> Reflector:
-        """The watch of the queue's open Tasks (identities only in its store)."""
-        return self._reflectors[0]
+    def task_watch(self) -> TaskWatches:
+        """The watches of the queue's open Tasks that this agent views."""
+        return self._tasks_watch
+
+    def _divide(self, peers: frozenset[str]) -> None:
+        """Caller holds the lock. The members are now `peers`: divide the shards among them."""
+        self._owners, self._ours, self._owners_of = {}, {}, peers
+        self._viewers = viewers(peers)
+
+    def _viewed(self) -> frozenset[int]:
+        """Caller holds the lock. The shards whose tasks this agent watches."""
+        return frozenset(s for s, v in enumerate(self._viewers) if not self._holder or self._holder in v)
+
+    def _peers_of(self, name: str) -> frozenset[str]:
+        """Caller holds the lock. Among whom task `name` is divided: its shard's viewers, or
+        every member for a task that every agent watches."""
+        shard = self.task_watch.shard(name)
+        return self._owners_of if shard is None else self._viewers[shard]
 
     def choose(self, holder: str, now: datetime, *, window: int,
                limit: int | None = None) -> tuple[list[Candidate], Division]:
@@ -254,7 +276,9 @@ class QueueView:
             live = self._live_members(now)
             peers = frozenset((*(m.holder for m in live), holder))
             if peers != self._owners_of:  # divided anew: what we parked may be ours now
-                self._owners, self._ours, self._owners_of = {}, {}, peers
+                self._divide(peers)
+                if self._tasks_started:
+                    self.task_watch.view(self._viewed())
                 self._unpark(None, now)
             claiming = {m.holder: m.until for m in live if m.claiming and m.holder != holder}
             held = sum(m.holding for m in live if m.holder != holder)
@@ -382,6 +406,18 @@ class QueueView:
                 self._judge(name, now)
         return ready
 
+    @property
+    def partial(self) -> bool:
+        """The view leaves out the tasks of some shards (their viewers are others)."""
+        return len(self.task_watch.viewed) < SHARDS
+
+    def busy_peers(self, holder: str) -> bool:
+        """Whether a peer of `holder` holds tasks and is not claiming: the tasks it views that it
+        would own are left to its deputy, or to an agent that reads them (`Agent._beyond`)."""
+        with self._changed:
+            return any(m.holding and not m.claiming and m.holder != holder
+                       for m in self._live_members(self._now()))
+
     def claimable_count(self) -> int:
         with self._changed:
             return len(self._index)
@@ -442,6 +478,15 @@ class QueueView:
                 self._remember(name, view)
             self._judge(name, self._now())
         self._notify(kind, obj)
+
+    def _on_dropped(self, names: list[str]) -> None:
+        """Tasks of shards we no longer view: our peers that view them claim them."""
+        with self._changed:
+            for name in names:
+                self._tasks.pop(name, None)
+                self._decoded.pop(name, None)
+                self._taken.pop(name, None)
+                self._judge(name, self._now())
 
     def _notify(self, kind: str, obj: JSON) -> None:
         for listener in self.task_listeners:
@@ -530,14 +575,15 @@ class QueueView:
         if known is not None:
             return known[0] if known[1] == holder else None
         if name not in self._ours:
-            self._ours[name] = owned_weight(holder, self._owners_of, name)
+            peers = self._peers_of(name)
+            self._ours[name] = owned_weight(holder, peers, name) if holder in peers else None
         return self._ours[name]
 
     def _owner(self, name: str) -> Ownership:
         """Caller holds the lock. `owner` among the current peers, computed once per peer set."""
         found = self._owners.get(name)
         if found is None:
-            found = self._owners[name] = owner(self._owners_of, name)
+            found = self._owners[name] = owner(self._peers_of(name), name)
         return found
 
     def _task(self, name: str) -> TaskView | None:

@@ -4,20 +4,63 @@ Each task belongs to the agent that weighs it highest (`owner`); agents that kno
 peers never race for a task while each has one of its own. A task is taken from its owner
 (stolen) only by an agent that has none, busy owners first, the task's deputy first
 (`divide`).
+
+A task labelled with a shard (`LABEL_SHARD`, see `ranked.labelled`) is divided among its
+shard's viewers only (`viewers`): the two agents that watch it. Every other agent's watch
+leaves it out, so what the operator writes to it wakes two agents, not the whole queue.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Callable, Collection, Iterable
+import math
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Final
+
+LABEL_SHARD: Final = "tasklease.dev/shard"
+SHARDS: Final = 64  # part of the protocol: producers label with it, agents watch by it
+VIEWERS: Final = 2  # per shard: its tasks' owner and deputy
 
 
 def weight(holder: str, name: str) -> float:
     """`holder`'s rendezvous weight for task `name`, in [0, 1): the same on every look."""
     digest = hashlib.blake2b(f"{holder}\0{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
+
+
+def shard_of(name: str) -> int:
+    """The shard a producer labels a task named `name` with (the same on every create)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") % SHARDS
+
+
+def shard_label(labels: Mapping[str, str] | None) -> int | None:
+    """The shard `labels` put a task in; None for none or a value that is not one (such a
+    task is watched by every agent, as one created without the label)."""
+    value = (labels or {}).get(LABEL_SHARD, "")
+    return int(value) if value.isdigit() and int(value) < SHARDS and str(int(value)) == value else None
+
+
+def viewers(peers: Collection[str]) -> tuple[frozenset[str], ...]:
+    """Who watches each shard among `peers`: `VIEWERS` of them (all, when fewer), by
+    rendezvous weight, each peer watching about its fair part (a shard or two more at most),
+    so that the agents' shares stay even. The same on every agent that knows the same peers; a peer
+    that comes or goes moves few shards."""
+    if len(peers) <= VIEWERS:
+        return (frozenset(peers),) * SHARDS
+    load: Counter[str] = Counter()
+    found = []
+    for shard in range(SHARDS):
+        # The heaviest first among those not ahead of their part so far by more than one (so
+        # a peer that comes or goes moves a few shards, and none views many more than others),
+        # then the others.
+        part = math.ceil((shard + 1) * VIEWERS / len(peers)) + 1
+        ranked = sorted(peers, key=lambda p: (load[p] >= part, -weight(p, f"shard/{shard}"), p))
+        found.append(frozenset(ranked[:VIEWERS]))
+        load.update(ranked[:VIEWERS])
+    return tuple(found)
 
 
 Ownership = tuple[float, str, str]  # (the owner's weight, the owner, its deputy or "")

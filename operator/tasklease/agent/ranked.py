@@ -14,10 +14,12 @@ with, for this path only.
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Final
 
+from tasklease.agent.division import LABEL_SHARD, SHARDS, shard_of
 from tasklease.api import models
 from tasklease.kube import JSON, TASKS, Kube
 
@@ -25,8 +27,8 @@ LABEL_RANK: Final = "tasklease.dev/rank"
 _PRIORITY: Final = models.TaskSpec.model_json_schema(by_alias=True)["properties"]["priority"]
 OFFSET: Final = -int(_PRIORITY["minimum"])
 _CAP: Final = int(_PRIORITY["maximum"]) + OFFSET + 1  # above every rank
-_DEFAULT_PRIORITY: Final = int(_PRIORITY["default"])
-_DEFAULT_RANK: Final = _DEFAULT_PRIORITY + OFFSET
+DEFAULT_PRIORITY: Final = int(_PRIORITY["default"])
+DEFAULT_RANK: Final = DEFAULT_PRIORITY + OFFSET
 # Not older than the first revision: whatever the watch cache holds now, at once, a page at a
 # time (`resourceVersion=0` would serve the same, but every selected Task in one answer).
 ANY_VERSION: Final = "1"
@@ -38,21 +40,25 @@ def rank(priority: int) -> str:
 
 
 def labelled(task: JSON) -> JSON:
-    """`task` (a body to create) with its rank label, unless it has one already."""
+    """`task` (a body to create) with its rank label and its shard label (`division`: which
+    agents watch it), unless it has them already. A task created without a name (the API
+    server generates one) is given a shard at random: any shard is as good, once."""
     meta = task.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    if LABEL_RANK in labels:
-        return task
-    priority = (task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        return task  # the API server refuses it with a clear message; not ours to guess
-    return {**task, "metadata": {**meta, "labels": {**labels, LABEL_RANK: rank(priority)}}}
+    labels = dict(meta.get("labels") or {})
+    if LABEL_SHARD not in labels:
+        name = meta.get("name")
+        labels[LABEL_SHARD] = str(shard_of(name) if isinstance(name, str) else random.randrange(SHARDS))
+    priority = (task.get("spec") or {}).get("priority", DEFAULT_PRIORITY)
+    if LABEL_RANK not in labels and isinstance(priority, int) and not isinstance(priority, bool):
+        # Else the API server refuses it with a clear message; not ours to guess.
+        labels[LABEL_RANK] = rank(priority)
+    return {**task, "metadata": {**meta, "labels": labels}}
 
 
 def best_key(task: JSON) -> tuple[int, str, str]:
     """Best first: higher priority, then older, then by name."""
     meta = task["metadata"]
-    return (-int((task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)), meta.get("creationTimestamp", ""),
+    return (-int((task.get("spec") or {}).get("priority", DEFAULT_PRIORITY)), meta.get("creationTimestamp", ""),
             meta["name"])
 
 
@@ -81,7 +87,7 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
     # that is wrong fills its page at once.
     start = "" if fresh else ANY_VERSION
     guess = beside.submit(kube.list, TASKS, namespace=namespace, field_selector=field_selector,
-                          label_selector=f"{LABEL_RANK}!={_DEFAULT_RANK}", limit=page, not_older_than=start)
+                          label_selector=f"{LABEL_RANK}!={DEFAULT_RANK}", limit=page, not_older_than=start)
     listing = kube.list(TASKS, namespace=namespace, field_selector=field_selector, limit=page, not_older_than=start)
     outside_default = guess.result()
     first = listing.get("items", [])
@@ -94,11 +100,11 @@ def best_first(kube: Kube, *, namespace: str, field_selector: str, page: int, be
     # The band read in part: the default one when every task outside it was read beside the
     # first page, else the best of the first page (the bands below it are partly read too).
     if not (outside_default.get("metadata") or {}).get("continue"):
-        seen = _DEFAULT_RANK
+        seen = DEFAULT_RANK
         others = outside_default
     else:
         seen = max(_rank_of(task) for task in first)
-        others = outside_default if seen == _DEFAULT_RANK else since(label_selector=f"{LABEL_RANK}!={seen}", limit=page)
+        others = outside_default if seen == DEFAULT_RANK else since(label_selector=f"{LABEL_RANK}!={seen}", limit=page)
     pool.update((task["metadata"]["name"], task) for task in others.get("items", []))
     whole = not (others.get("metadata") or {}).get("continue")  # every task outside the band is read
     if not whole:  # many in other bands: only those that could go before this one
@@ -150,7 +156,7 @@ def _rank_of(task: JSON) -> int:
         labelled = -1
     if 0 <= labelled < _CAP:
         return labelled
-    priority = (task.get("spec") or {}).get("priority", _DEFAULT_PRIORITY)
+    priority = (task.get("spec") or {}).get("priority", DEFAULT_PRIORITY)
     return priority + OFFSET if isinstance(priority, int) else OFFSET
 
 

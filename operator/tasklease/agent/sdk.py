@@ -37,7 +37,7 @@ from tasklease.agent.division import Division, Owner, weight
 from tasklease.agent.gate import Gates, OneShotAdmission, queue_controls
 from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
-from tasklease.agent.ranked import best_first
+from tasklease.agent.ranked import DEFAULT_PRIORITY, best_first
 from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
 from tasklease.api import errors, models
@@ -373,7 +373,7 @@ class Agent:
             view = self._views.get(queue)
             if view is None:
                 self._check_open()
-                view = QueueView(self.kube, namespace=self.namespace, queue=queue)
+                view = QueueView(self.kube, namespace=self.namespace, queue=queue, holder=self.identity.holder)
                 view.start(tasks=tasks, failing_s=failing_s)
                 self._views[queue] = view
                 # Our claims in this queue hear of a cancel from this watch, not one more each.
@@ -446,6 +446,11 @@ class Agent:
         """What to try now, how long to wait before looking again if none of it is won, and
         whether it is ours (not a thief's pick)."""
         candidates, division = self._look(view)
+        if view.partial and not division.held_back and not division.wait_s and (
+                not candidates or candidates[0][0].spec.priority < DEFAULT_PRIORITY):
+            beyond = self._beyond(view, candidates)
+            if beyond is not None:
+                return beyond
         if candidates and division.owner in (Owner.BUSY, Owner.IDLE):
             # Nothing of ours. An idle owner, if alive, takes its task at once: give its claim
             # time to reach us. Then its deputy goes first; the other thieves only after the
@@ -465,6 +470,27 @@ class Agent:
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
         # next look offers our others), or a thief's pick.
         return candidates, self.settings.recheck_s, bool(division.ours)
+
+    def _beyond(self, view: QueueView, found: list[Candidate]) -> tuple[list[Candidate], float, bool] | None:
+        """A look at the shards we view found nothing, or only tasks below the default band:
+        the shards our peers view may hold better ones (strict priority), or tasks that their
+        busy viewers leave (a thief's). Read the queue's best (`_best`) and judge it as before
+        the list ended (`QueueView.unlisted`), ours first. None: nothing to read for, or nothing
+        better than `found`."""
+        band = found[0][0].spec.priority if found else None
+        if band is None and not view.busy_peers(self.identity.holder):
+            return None  # peers that claim take their own shards' tasks
+        better: list[TaskView] = []
+        for obj in itertools.islice(self._best(view), self.settings.early_reads):
+            task = TaskView.of(obj)
+            if (band is not None and task.spec.priority <= band) or (
+                    better and task.spec.priority < better[0].spec.priority):
+                break
+            better.append(task)
+        candidates, division = view.unlisted(better, self.identity.holder, self.kube.now())
+        if candidates:
+            return candidates, self.settings.early_s, bool(division.ours)
+        return ([], self.settings.idle_read_s, False) if band is None else None
 
     def _best(self, view: QueueView) -> Iterator[JSON]:
         """The queue's open Tasks not projected Running, best first, as the API server's watch

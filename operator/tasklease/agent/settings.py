@@ -28,6 +28,9 @@ class AgentSettings:
     stop_check_s: float = 0.5  # how often a waiting claim looks at its `stop` event
     join_s: float = 2.0  # the longest a first claim waits to see its own member Lease
     recheck_s: float = 60.0  # after a look whose candidates were all lost: the watch tells sooner if anything changes
+    # While a peer is busy and this agent's shards hold nothing for it: how often it reads the
+    # queue for the tasks of the busy peer's shards (no watch of ours tells of them).
+    idle_read_s: float = 2.0
     cli_page: int = 20  # Tasks per page read by the one-shot claim (`tasklease claim`)
     # Before the first list of a queue's Tasks ends: the most of its best tasks a claim reads
     # (`ranked`, in one page: each read costs the API server a scan of the queue, and what it

@@ -1,0 +1,124 @@
+"""Shards: which agents watch a task (`division.viewers`), the label producers give it, and the
+watches that follow an agent's shards (`taskwatch.TaskWatches`). No API server."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasklease.agent.division import LABEL_SHARD, SHARDS, VIEWERS, shard_label, shard_of, viewers
+from tasklease.agent.ranked import DEFAULT_RANK, LABEL_RANK, labelled
+from tasklease.agent.taskwatch import TaskWatches
+from tasklease.kube import JSON
+
+pytestmark = pytest.mark.unit
+_PEERS = st.frozensets(st.text("abcdefgh/", min_size=1, max_size=6), min_size=1, max_size=24)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_PEERS)
+def test_every_shard_has_its_viewers_and_every_peer_views_about_its_part(peers: frozenset[str]) -> None:
+    found = viewers(peers)
+    assert len(found) == SHARDS
+    assert all(len(v) == min(VIEWERS, len(peers)) and v <= peers for v in found)
+    load = Counter(p for v in found for p in v)
+    assert max(load.values()) <= (SHARDS if len(peers) <= VIEWERS else math.ceil(VIEWERS * SHARDS / len(peers)) + 2)
+    assert found == viewers(frozenset(sorted(peers, reverse=True)))  # every agent computes the same
+
+
+def test_a_peer_that_joins_moves_a_few_shards_not_all() -> None:
+    peers = frozenset(f"agent-{i}/x" for i in range(16))
+    before, after = viewers(peers), viewers(peers | {"agent-16/x"})
+    moved = sum(len(a - b) for a, b in zip(after, before, strict=True))
+    assert 0 < moved <= SHARDS // 2
+
+
+def test_a_shard_label_is_read_only_when_it_names_a_shard() -> None:
+    assert shard_label({LABEL_SHARD: "7"}) == 7
+    for bad in ("", "64", "-1", "07", "x", " 3"):
+        assert shard_label({LABEL_SHARD: bad}) is None
+    assert shard_label(None) is None and shard_label({}) is None
+
+
+def test_producers_label_a_task_with_its_shard_and_rank_and_keep_what_it_has() -> None:
+    body = labelled({"metadata": {"name": "t-1"}, "spec": {"queue": "q"}})
+    assert body["metadata"]["labels"] == {LABEL_SHARD: str(shard_of("t-1")), LABEL_RANK: str(DEFAULT_RANK)}
+    unnamed = labelled({"metadata": {"generateName": "q-"}, "spec": {"queue": "q", "priority": 5}})
+    assert shard_label(unnamed["metadata"]["labels"]) is not None
+    kept = labelled({"metadata": {"name": "t", "labels": {LABEL_SHARD: "3", LABEL_RANK: "9"}}, "spec": {}})
+    assert kept["metadata"]["labels"] == {LABEL_SHARD: "3", LABEL_RANK: "9"}
+    assert {shard_of(f"t-{i}") for i in range(2000)} == set(range(SHARDS))
+
+
+class _NoKube:
+    """Watches that are never started: the tests deliver their events by hand."""
+
+    namespace = "ns"
+
+    def list_pages(self, *args: Any, **kwargs: Any) -> Iterator[JSON]:
+        yield {"metadata": {"resourceVersion": "1"}, "items": []}
+
+
+def _task(name: str, shard: int | None) -> JSON:
+    labels = {LABEL_RANK: str(DEFAULT_RANK)} | ({} if shard is None else {LABEL_SHARD: str(shard)})
+    return {"metadata": {"name": name, "namespace": "ns", "labels": labels}}
+
+
+def _watches() -> tuple[TaskWatches, list[str], list[str]]:
+    told: list[str] = []
+    dropped: list[str] = []
+    watches = TaskWatches(_NoKube(), namespace="ns", queue="q",  # type: ignore[arg-type]
+                          listener=lambda kind, obj: told.append(f"{kind} {obj['metadata']['name']}"),
+                          drop=dropped.extend, field_selector="spec.queue=q", watch_field_selector="spec.queue=q",
+                          batch_s=0.0)
+    return watches, told, dropped
+
+
+def _key(watches: TaskWatches, shard: int) -> int:
+    return watches._by_shard[shard]
+
+
+def test_the_tasks_of_a_shard_given_up_leave_at_once_and_its_late_events_are_ignored() -> None:
+    watches, told, dropped = _watches()
+    watches._view(frozenset({1, 2}))  # as `start` does, without the threads
+    first = _key(watches, 1)
+    watches._on(first, "ADDED", _task("a", 1))
+    watches._on(first, "ADDED", _task("b", 2))
+    assert watches.shard("a") == 1 and watches.has("b")
+    watches.view({2, 3})  # shard 1 given up, 3 gained (a watch of its own)
+    assert dropped == ["a"] and not watches.has("a") and watches.has("b")
+    assert _key(watches, 3) != first and _key(watches, 2) == first
+    watches._on(first, "MODIFIED", _task("a", 1))  # the first watch still lists shard 1: not ours
+    watches._on(first, "DELETED", _task("a", 1))
+    assert told == ["ADDED a", "ADDED b"]
+    watches._on(_key(watches, 3), "ADDED", _task("c", 3))
+    assert watches.shard("c") == 3 and told[-1] == "ADDED c"
+
+
+def test_a_task_that_moves_between_watches_is_neither_lost_nor_kept_twice() -> None:
+    watches, told, _ = _watches()
+    watches._view(frozenset({1, 2}))
+    sharded = _key(watches, 1)
+    watches._on(sharded, "ADDED", _task("a", 1))
+    watches._on(-2, "ADDED", _task("a", None))  # its shard label removed: the loose watch tells it first
+    watches._on(sharded, "DELETED", _task("a", 1))  # then the shard watch: it left that selection
+    assert watches.has("a") and watches.shard("a") is None and told == ["ADDED a", "ADDED a"]
+    watches._on(-2, "DELETED", _task("a", None))
+    assert not watches.has("a") and told[-1] == "DELETED a"
+
+
+def test_past_a_few_shard_watches_one_watch_lists_every_shard_viewed_again() -> None:
+    watches, _, dropped = _watches()
+    watches._view(frozenset({0}))
+    watches._on(_key(watches, 0), "ADDED", _task("a", 0))
+    for shard in range(1, 6):
+        watches.view(set(range(shard + 1)))
+    keys = {k for k in watches._watches if k >= 0}
+    assert len(keys) <= 4 and dropped == []
+    assert watches._told["a"] == _key(watches, 0)  # the watch that lists shard 0 now answers for it
