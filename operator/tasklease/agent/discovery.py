@@ -178,7 +178,8 @@ class QueueView:
         with self._changed:
             if not self._tasks_started:
                 self._tasks_started = True
-                self._divide(frozenset((*(m.holder for m in self._live_members(self._now())), self._holder)))
+                self._owners_of = frozenset((*(m.holder for m in self._live_members(self._now())), self._holder))
+                self._viewers = viewers(self._owners_of)
                 self.task_watch.start(self._viewed())
 
     def _await(self, r: Reflector | TaskWatches, *, first_page: bool, timeout_s: float, failing_s: float) -> None:
@@ -242,10 +243,14 @@ class QueueView:
         """The watches of the queue's open Tasks that this agent views."""
         return self._tasks_watch
 
-    def _divide(self, peers: frozenset[str]) -> None:
-        """Caller holds the lock. The members are now `peers`: divide the shards among them."""
+    def _divide(self, peers: frozenset[str], now: datetime) -> None:
+        """Caller holds the lock. The members are now `peers`: the tasks are divided anew (what
+        we parked may be ours now), and so are the shards."""
         self._owners, self._ours, self._owners_of = {}, {}, peers
         self._viewers = viewers(peers)
+        if self._tasks_started:
+            self.task_watch.view(self._viewed())
+        self._unpark(None, now)
 
     def _viewed(self) -> frozenset[int]:
         """Caller holds the lock. The shards whose tasks this agent watches."""
@@ -275,11 +280,8 @@ class QueueView:
             self._release_due(now)
             live = self._live_members(now)
             peers = frozenset((*(m.holder for m in live), holder))
-            if peers != self._owners_of:  # divided anew: what we parked may be ours now
-                self._divide(peers)
-                if self._tasks_started:
-                    self.task_watch.view(self._viewed())
-                self._unpark(None, now)
+            if peers != self._owners_of:
+                self._divide(peers, now)
             claiming = {m.holder: m.until for m in live if m.claiming and m.holder != holder}
             held = sum(m.holding for m in live if m.holder != holder)
             window = max(window, _SPREAD_PER_HOLDER * max(held, len(peers)))
@@ -554,8 +556,16 @@ class QueueView:
                                                   until=now + timedelta(seconds=member.duration_s))
             after = self._members.get(member.name)
             joined = after.holder if after and not before else ""
-            if (before and before.holder) != (after and after.holder) or told:
-                self._bump()  # a peer came or went (the tasks are divided anew), or a band held back may be free
+            came_or_went = (before and before.holder) != (after and after.holder)
+            if came_or_went and self._holder:  # our shards follow our peers, claiming or not
+                peers = frozenset((*(m.holder for m in self._live_members(now)), self._holder))
+                if peers != self._owners_of:
+                    self._divide(peers, now)
+            busy = [bool(m and m.holding and not m.claiming) for m in (before, after)]
+            if came_or_went or told or (busy[0] != busy[1] and self.partial):
+                # A peer came or went (the tasks are divided anew), a band held back may be free,
+                # or a peer became busy (what its shards hold may be ours to read) or stopped being.
+                self._bump()
             if after is None or not after.claiming:  # its share, if we parked any, is a thief's now
                 self._unpark({before.holder if before else member.holder, ""}, now)
         if joined:
