@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -92,6 +93,10 @@ class Agent:
         # tasks there (`_early`). While many agents list a deep queue, each read is one more scan
         # of it beside their lists, and most of what it finds a peer has claimed already.
         self._early_won: set[str] = set()
+        # Queue → when a read for a better band than a look found (`_beyond`) found none: the next
+        # is made no sooner than `idle_read_s` after (a queue whose tasks all sit below the default
+        # band would otherwise be read at every look).
+        self._nothing_beyond: dict[str, float] = {}
         self._views_lock = threading.Lock()
         self._gates = Gates(kube, namespace=self.namespace, holder=self.identity.holder)  # TaskQueue controls
 
@@ -480,6 +485,9 @@ class Agent:
         band = found[0][0].spec.priority if found else None
         if band is None and not view.busy_peers(self.identity.holder):
             return None  # peers that claim take their own shards' tasks
+        with self._views_lock:
+            if band is not None and time.monotonic() < self._nothing_beyond.get(view.queue, -math.inf):
+                return None
         better: list[TaskView] = []
         for obj in itertools.islice(self._best(view), self.settings.early_reads):
             task = TaskView.of(obj)
@@ -490,7 +498,11 @@ class Agent:
         candidates, division = view.unlisted(better, self.identity.holder, self.kube.now())
         if candidates:
             return candidates, self.settings.early_s, bool(division.ours)
-        return ([], self.settings.idle_read_s, False) if band is None else None
+        if band is None:
+            return [], self.settings.idle_read_s, False
+        with self._views_lock:
+            self._nothing_beyond[view.queue] = time.monotonic() + self.settings.idle_read_s
+        return None
 
     def _best(self, view: QueueView) -> Iterator[JSON]:
         """The queue's open Tasks not projected Running, best first, as the API server's watch

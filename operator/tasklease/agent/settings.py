@@ -29,7 +29,8 @@ class AgentSettings:
     join_s: float = 2.0  # the longest a first claim waits to see its own member Lease
     recheck_s: float = 60.0  # after a look whose candidates were all lost: the watch tells sooner if anything changes
     # While a peer is busy and this agent's shards hold nothing for it: how often it reads the
-    # queue for the tasks of the busy peer's shards (no watch of ours tells of them).
+    # queue for the tasks of the busy peer's shards (no watch of ours tells of them); and after a
+    # read for a better band than its shards offer found none, how long before the next.
     idle_read_s: float = 2.0
     cli_page: int = 20  # Tasks per page read by the one-shot claim (`tasklease claim`)
     # Before the first list of a queue's Tasks ends: the most of its best tasks a claim reads
