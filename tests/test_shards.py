@@ -122,3 +122,16 @@ def test_past_a_few_shard_watches_one_watch_lists_every_shard_viewed_again() -> 
     keys = {k for k in watches._watches if k >= 0}
     assert len(keys) <= 4 and dropped == []
     assert watches._told["a"] == _key(watches, 0)  # the watch that lists shard 0 now answers for it
+
+
+def test_a_watch_whose_shards_are_mostly_others_now_is_replaced_and_its_tasks_kept() -> None:
+    watches, told, dropped = _watches()
+    watches._view(frozenset(range(8)))  # alone at first: many shards
+    first = _key(watches, 0)
+    watches._on(first, "ADDED", _task("a", 0))
+    watches._on(first, "ADDED", _task("b", 5))
+    watches.view({0, 1, 9})  # peers came: 3 of the 8 stay ours, and one more
+    assert dropped == ["b"] and watches.has("a")
+    assert first not in watches._watches and watches._told["a"] == _key(watches, 0) == _key(watches, 9)
+    watches._on(first, "MODIFIED", _task("a", 0))  # the replaced watch's last events are ignored
+    assert told == ["ADDED a", "ADDED b"]

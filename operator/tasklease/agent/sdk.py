@@ -488,16 +488,15 @@ class Agent:
         with self._views_lock:
             if band is not None and time.monotonic() < self._nothing_beyond.get(view.queue, -math.inf):
                 return None
-        better: list[TaskView] = []
-        for obj in itertools.islice(self._best(view), self.settings.early_reads):
-            task = TaskView.of(obj)
-            if (band is not None and task.spec.priority <= band) or (
-                    better and task.spec.priority < better[0].spec.priority):
+        read = (TaskView.of(obj) for obj in itertools.islice(self._best(view), self.settings.early_reads))
+        # Band by band, best first: one with nothing claimable gives way to the next.
+        for _, tasks in itertools.groupby(read, key=lambda task: task.spec.priority):
+            better = list(tasks)
+            if band is not None and better[0].spec.priority <= band:
                 break
-            better.append(task)
-        candidates, division = view.unlisted(better, self.identity.holder, self.kube.now())
-        if candidates:
-            return candidates, self.settings.early_s, bool(division.ours)
+            candidates, division = view.unlisted(better, self.identity.holder, self.kube.now())
+            if candidates:
+                return candidates, self.settings.early_s, bool(division.ours)
         if band is None:
             return [], self.settings.idle_read_s, False
         with self._views_lock:

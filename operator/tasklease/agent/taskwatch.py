@@ -8,7 +8,8 @@ valid shard (created by hand). The three selections are disjoint and cover the q
 
 When the agent's viewed shards change (a peer came or went), the shards gained are watched by
 a watch of their own, listed at once; the tasks of shards lost leave the picture at once, and
-their later events are ignored. Each task remembers the watch that told it last, so a task
+their later events are ignored. A watch whose shards are now mostly others' is replaced by one
+of the shards still viewed (its peers' events would cost more than that list). Each task remembers the watch that told it last, so a task
 that moves between watches (its labels changed) is neither lost nor kept twice.
 """
 
@@ -49,6 +50,7 @@ class TaskWatches:
             _LOOSE: self._make(_LOOSE, f"{LABEL_RANK}={DEFAULT_RANK},{LABEL_SHARD} notin ({_ALL})"),
         }
         self._by_shard: dict[int, int] = {}  # viewed shard → the key of the watch that lists it
+        self._listing: dict[int, frozenset[int]] = {}  # a shard watch's key → the shards it selects
         self._next_key = 0
         self._first: list[Reflector] = []  # the watches started first: `synced` waits for them
         self._stopped = False
@@ -71,20 +73,27 @@ class TaskWatches:
 
     def view(self, shards: Collection[int]) -> None:
         """From now on, view `shards`: the tasks of those left leave the picture (`drop`), those
-        gained are listed."""
+        gained are listed, and a watch whose shards are now mostly others' is replaced (its
+        own listed again): its peers' events would cost more than a list."""
+        viewed = frozenset(shards)
         with self._lock:
-            if self._stopped or frozenset(shards) == frozenset(self._by_shard):
+            if self._stopped or viewed == frozenset(self._by_shard):
                 return
-            lost = frozenset(self._by_shard) - frozenset(shards)
+            lost = frozenset(self._by_shard) - viewed
             for shard in lost:
                 del self._by_shard[shard]
             gone = [n for n, s in self._shard.items() if s in lost]
             for name in gone:
                 del self._shard[name]
                 del self._told[name]
-            live = set(self._by_shard.values()) | {_WIDE, _LOOSE}
-            ended = [self._watches.pop(k) for k in list(self._watches) if k not in live]
-            started = self._view(frozenset(shards))
+            ended = []
+            for key in [k for k in self._watches if k >= 0]:
+                kept = [s for s, k in self._by_shard.items() if k == key]
+                if len(self._listing[key]) > 2 * len(kept):
+                    ended.append(self._end(key))
+                    for shard in kept:  # listed again below, their tasks kept meanwhile
+                        del self._by_shard[shard]
+            started = self._view(viewed)
         for r in ended:
             r.stop()
         if gone:
@@ -102,7 +111,7 @@ class TaskWatches:
         if len(sharded) >= _MOST_SHARD_WATCHES:
             # One watch lists them all again; what it does not list was deleted meanwhile (`known`).
             for key in sharded:
-                self._watches.pop(key).stop()
+                self._end(key).stop()
             gained = shards
         key = self._next_key
         self._next_key += 1
@@ -113,7 +122,13 @@ class TaskWatches:
                 self._told[name] = key
         selector = f"{LABEL_RANK}={DEFAULT_RANK},{LABEL_SHARD} in ({','.join(map(str, sorted(gained)))})"
         self._watches[key] = self._make(key, selector)
+        self._listing[key] = gained
         return [self._watches[key]]
+
+    def _end(self, key: int) -> Reflector:
+        """Caller holds the lock. Forget watch `key`; the caller stops it."""
+        del self._listing[key]
+        return self._watches.pop(key)
 
     def stop(self) -> None:
         with self._lock:
