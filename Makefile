@@ -87,7 +87,7 @@ UNIT_TESTS := tests/test_beside.py tests/test_decode.py tests/test_chunked.py te
 	tests/test_worker_unit.py tests/test_jitter.py tests/test_expiry.py tests/test_rules.py tests/test_lifecycle_rules.py \
 	tests/test_connection.py tests/test_retry.py tests/test_slim.py tests/test_podbound_unit.py tests/test_workqueue.py tests/test_decision.py tests/test_queues_unit.py tests/test_queues_operator_unit.py \
 	tests/test_store.py tests/test_reconciler_unit.py tests/test_opmem.py tests/test_controller_unit.py tests/test_watching_unit.py tests/test_chaos.py tests/test_unitvenv.py \
-	tests/test_cli_input.py
+	tests/test_cli_input.py tests/test_shards.py
 UNIT_PYTHONS := 3.12.1 3.13.0
 
 unit: venv ## the unit tests alone (under 30 s, no control plane)

@@ -9,8 +9,9 @@ valid shard (created by hand). The three selections are disjoint and cover the q
 When the agent's viewed shards change (a peer came or went), the shards gained are watched by
 a watch of their own, listed at once; the tasks of shards lost leave the picture at once, and
 their later events are ignored. A watch whose shards are now mostly others' is replaced by one
-of the shards still viewed (its peers' events would cost more than that list). Each task remembers the watch that told it last, so a task
-that moves between watches (its labels changed) is neither lost nor kept twice.
+of the shards still viewed (its peers' events would cost more than that list). Each task
+remembers the watch that told it last, so a task that moves between watches (its labels
+changed) is neither lost nor kept twice.
 """
 
 from __future__ import annotations
