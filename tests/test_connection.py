@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +106,54 @@ def test_the_agents_import_does_not_load_the_kubernetes_package() -> None:
     code = "import sys, tasklease.agent.sdk, tasklease.cli.main; print('kubernetes' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_connections_started_together_send_well_formed_handshakes(tmp_path: Path) -> None:
+    """urllib3 sets ALPN on the shared context for each new connection; a handshake that another
+    thread starts meanwhile must not read a list being replaced (the server would answer
+    "decode error")."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    server.set_alpn_protocols(["http/1.1"])
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    cluster = {"server": f"https://127.0.0.1:{listener.getsockname()[1]}", "certificate-authority": str(cert)}
+    pool = connection.connect(kubeconfig=_kubeconfig(tmp_path, {"token": "t"}, cluster)).pool
+    tls = pool.connection_pool_kw["ssl_context"]
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            accepted, _ = listener.accept()
+            with accepted, contextlib.suppress(OSError):
+                server.wrap_socket(accepted, server_side=True).close()
+
+    def as_urllib3_does() -> None:
+        while not done.is_set():
+            tls.set_alpn_protocols(["http/1.1"])
+
+    failures: list[str] = []
+
+    def connect() -> None:
+        for _ in range(20):
+            with socket.create_connection(listener.getsockname()) as raw:
+                try:
+                    tls.wrap_socket(raw, server_hostname="127.0.0.1").close()
+                except ssl.SSLError as exc:
+                    failures.append(str(exc))
+
+    threads = [threading.Thread(target=serve, daemon=True), threading.Thread(target=as_urllib3_does)]
+    clients = [threading.Thread(target=connect) for _ in range(4)]
+    for thread in threads + clients:
+        thread.start()
+    for thread in clients:
+        thread.join()
+    done.set()
+    socket.create_connection(listener.getsockname()).close()  # wakes the server to see `done`
+    listener.close()
+    assert failures == []
+    with pytest.raises(ValueError, match="http/1.1"):
+        tls.set_alpn_protocols(["h2"])  # the one list stays, rather than a silent change

@@ -16,7 +16,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,7 @@ def _in_cluster(pool_size: int) -> Connection:
     host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
     if not host or not port:
         raise ValueError("in a pod, but KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are not set")
-    context = ssl.create_default_context(cafile=f"{SA_DIR}/ca.crt")
+    context = _client_tls(cafile=f"{SA_DIR}/ca.crt")
     token = _TokenFile(f"{SA_DIR}/token")
     namespace = Path(f"{SA_DIR}/namespace").read_text().strip()
     return Connection(host=f"https://{_bracketed(host)}:{port}", pool=_pool(context, pool_size),
@@ -94,7 +94,7 @@ def _from_kubeconfig(path: str | None, context_name: str | None, pool_size: int)
         return _elsewhere(str(file), context_name, pool_size)
     base = file.parent
     of_cluster, of_user = f"cluster {ctx['cluster']!r}", f"user {ctx.get('user')!r}"
-    tls = ssl.create_default_context()
+    tls = _client_tls()
     if cluster.get("insecure-skip-tls-verify"):
         tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
     elif "certificate-authority-data" in cluster or "certificate-authority" in cluster:
@@ -187,6 +187,31 @@ def _readable(base: Path, entry: dict[str, Any], key: str, of: str) -> str:
     except OSError as exc:
         raise ValueError(f"cannot read {path}, the {key} of {of}: {exc.strerror or exc}") from None
     return str(path)
+
+
+class _OneAlpn(ssl.SSLContext):
+    """A client context whose ALPN list is set once, when it is made. urllib3 sets the list
+    again on the shared context for each new connection, and OpenSSL frees the old list as it
+    does: a connection that another thread starts at that moment can copy freed bytes into its
+    ClientHello, which the API server refuses ("tlsv1 alert decode error")."""
+
+    def set_alpn_protocols(self, alpn_protocols: Iterable[str]) -> None:
+        if list(alpn_protocols) != _ALPN:
+            raise ValueError(f"this context speaks {_ALPN} only")
+
+
+_ALPN = ["http/1.1"]  # what urllib3 asks for
+
+
+def _client_tls(cafile: str | None = None) -> ssl.SSLContext:
+    """`ssl.create_default_context(cafile=...)`, safe to share between threads that connect."""
+    tls = _OneAlpn(ssl.PROTOCOL_TLS_CLIENT)  # verifies the certificate and the host name
+    if cafile:
+        tls.load_verify_locations(cafile=cafile)
+    else:
+        tls.load_default_certs()
+    ssl.SSLContext.set_alpn_protocols(tls, _ALPN)
+    return tls
 
 
 def _pool(tls: ssl.SSLContext, pool_size: int) -> urllib3.PoolManager:
