@@ -224,8 +224,10 @@ def test_close_ends_the_watch_threads_at_once_on_a_quiet_queue(kube: Kube) -> No
     wait_for(lambda: view.listed, message="the queue listed")  # every watch is past its list
     watching = [t for t in threading.enumerate() if t not in before and t.name.startswith("watch-")]
     # The queue's free Leases and members; its Tasks (those of other bands, those without a shard,
-    # the shards it views: all, alone), each with the watch opened before its list.
-    assert sorted(t.name for t in watching) == ["watch-leases"] * 2 + ["watch-tasks"] * 3 + ["watch-tasks-pinned"] * 3
+    # the shards it views: all, alone), each with the watch opened before its list; its TaskQueue
+    # (the gate), listed before the first claim needs it.
+    assert sorted(t.name for t in watching) == (["watch-leases"] * 2 + ["watch-taskqueues"] + ["watch-tasks"] * 3
+                                                + ["watch-tasks-pinned"] * 3)
     agent.close()
     wait_for(lambda: not any(t.is_alive() for t in watching), timeout=5, message="the watch threads to end")
 

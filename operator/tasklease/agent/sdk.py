@@ -366,9 +366,12 @@ class Agent:
             interrupt_allowed()
 
     def watch(self, queue: str) -> QueueView:
-        """Start watching `queue` now (claim does it on first use); idempotent."""
+        """Start watching `queue` now (claim does it on first use); idempotent. Its gate's
+        watch too: a first claim would otherwise wait for that list (the API server answers
+        a list only once its cache is as new as etcd, which can take a second on a busy one)."""
         view = self._view(models.check_queue(queue), tasks=True)
         view.start_tasks()
+        self._gates.open(queue)
         return view
 
     def _view(self, queue: str, *, tasks: bool, failing_s: float | None = None) -> QueueView:
