@@ -93,6 +93,12 @@ class Peer:
     until: datetime  # gone, unless renewed before (our clock: when we saw it, plus its duration)
 
 
+def _peer_set(live: list[Peer], holder: str) -> frozenset[str]:
+    """Among whom the tasks are divided: the live members, and `holder` (before its own
+    member Lease is seen)."""
+    return frozenset((*(m.holder for m in live), holder))
+
+
 def _count_down(counter: Counter[K], key: K) -> None:
     """One less of `key`; none left, no key (a Counter's `max` and `get` see only the live ones)."""
     counter[key] -= 1
@@ -177,9 +183,9 @@ class QueueView:
         peer's took, are judged again when their Task arrives."""
         with self._changed:
             if not self._tasks_started:
+                now = self._now()
+                self._divide(_peer_set(self._live_members(now), self._holder), now)  # `_divide` moves no watch yet
                 self._tasks_started = True
-                self._owners_of = frozenset((*(m.holder for m in self._live_members(self._now())), self._holder))
-                self._viewers = viewers(self._owners_of)
                 self.task_watch.start(self._viewed())
 
     def _await(self, r: Reflector | TaskWatches, *, first_page: bool, timeout_s: float, failing_s: float) -> None:
@@ -213,7 +219,7 @@ class QueueView:
         first) may be claimed at `now`, by the Leases this view knows (every free one), divided
         among the members as `choose` divides. A task claimed since it was read costs a 409."""
         with self._changed:
-            peers = frozenset((*(m.holder for m in self._live_members(now)), holder))
+            peers = _peer_set(self._live_members(now), holder)
             found: dict[str, Candidate] = {}
             for task in tasks:
                 rec = self._leases.get(task.name)
@@ -279,7 +285,7 @@ class QueueView:
                 self._pruned = True
             self._release_due(now)
             live = self._live_members(now)
-            peers = frozenset((*(m.holder for m in live), holder))
+            peers = _peer_set(live, holder)
             if peers != self._owners_of:
                 self._divide(peers, now)
             claiming = {m.holder: m.until for m in live if m.claiming and m.holder != holder}
@@ -469,26 +475,29 @@ class QueueView:
         text = b"" if view is None else text or compact(obj, queue=self.queue)
         with self._changed:
             if view is None:
-                # Finished (it left the phase selector) or deleted: its Lease no longer matters.
-                self._tasks.pop(name, None)
-                self._decoded.pop(name, None)
-                self._leases.pop(name, None)
-                self._histories.pop(name, None)
-                self._taken.pop(name, None)
+                self._forget(name, lease=True)  # finished (it left the phase selector) or deleted
             else:
                 self._tasks[name] = text
                 self._remember(name, view)
-            self._judge(name, self._now())
+                self._judge(name, self._now())
         self._notify(kind, obj)
 
     def _on_dropped(self, names: list[str]) -> None:
         """Tasks of shards we no longer view: our peers that view them claim them."""
         with self._changed:
             for name in names:
-                self._tasks.pop(name, None)
-                self._decoded.pop(name, None)
-                self._taken.pop(name, None)
-                self._judge(name, self._now())
+                self._forget(name, lease=False)  # its free Lease stays known, should the shard come back
+
+    def _forget(self, name: str, *, lease: bool) -> None:
+        """Caller holds the lock. Task `name` is out of the picture; with `lease`, its Lease too
+        (it no longer matters)."""
+        self._tasks.pop(name, None)
+        self._decoded.pop(name, None)
+        self._taken.pop(name, None)
+        if lease:
+            self._leases.pop(name, None)
+            self._histories.pop(name, None)
+        self._judge(name, self._now())
 
     def _notify(self, kind: str, obj: JSON) -> None:
         for listener in self.task_listeners:
@@ -558,7 +567,7 @@ class QueueView:
             joined = after.holder if after and not before else ""
             came_or_went = (before and before.holder) != (after and after.holder)
             if came_or_went and self._holder:  # our shards follow our peers, claiming or not
-                peers = frozenset((*(m.holder for m in self._live_members(now)), self._holder))
+                peers = _peer_set(self._live_members(now), self._holder)
                 if peers != self._owners_of:
                     self._divide(peers, now)
             busy = [bool(m and m.holding and not m.claiming) for m in (before, after)]

@@ -491,15 +491,10 @@ class Agent:
         with self._views_lock:
             if band is not None and time.monotonic() < self._nothing_beyond.get(view.queue, -math.inf):
                 return None
-        read = (TaskView.of(obj) for obj in itertools.islice(self._best(view), self.settings.early_reads))
-        # Band by band, best first: one with nothing claimable gives way to the next.
-        for _, tasks in itertools.groupby(read, key=lambda task: task.spec.priority):
-            better = list(tasks)
-            if band is not None and better[0].spec.priority <= band:
-                break
-            candidates, division = view.unlisted(better, self.identity.holder, self.kube.now())
-            if candidates:
-                return candidates, self.settings.early_s, bool(division.ours)
+        better = self._best_band(view, self._best(view), above=band)
+        if better is not None:
+            _, candidates, division = better
+            return candidates, self.settings.early_s, bool(division.ours)
         if band is None:
             return [], self.settings.idle_read_s, False
         with self._views_lock:
@@ -532,24 +527,31 @@ class Agent:
         with self._views_lock:
             if best is None and view.queue in self._early_won:
                 return [], self.settings.early_s, False
-        now = self.kube.now()
-        tasks: list[TaskView] = []
-        band: int | None = None
-        try:
-            for obj in itertools.islice(best if best is not None else self._best(view), self.settings.early_reads):
-                task = TaskView.of(obj)
-                if band is not None and task.spec.priority < band:
-                    break
-                if view.unlisted([task], self.identity.holder, now)[0]:
-                    band = task.spec.priority
-                    tasks.append(task)
-        except (errors.Unreachable, errors.ServerError) as exc:  # a loaded API server: the list goes on
-            log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
-            return [], self.settings.early_s, False
+        best_band = self._best_band(view, best if best is not None else self._best(view))
+        tasks, candidates, division = best_band or ([], [], None)
         with self._views_lock:
             self._next[view.queue] = (None, [(task, None) for task in tasks])
-        candidates, division = view.unlisted(tasks, self.identity.holder, now)
-        return candidates, self.settings.early_s, bool(division.ours)
+        return candidates, self.settings.early_s, bool(division and division.ours)
+
+    def _best_band(self, view: QueueView, read: Iterator[JSON], *, above: int | None = None
+                   ) -> tuple[list[TaskView], list[Candidate], Division] | None:
+        """Of the queue's best tasks `read` (`_best`; the first `early_reads`), the best band,
+        above band `above` if given, with tasks we may claim, judged as before the list ended
+        (`QueueView.unlisted`): those tasks in the order read, and them judged together (ours
+        first). None: no such band, or the reads failed (a loaded API server: the list goes on)."""
+        now = self.kube.now()
+        try:
+            for priority, band in itertools.groupby(map(TaskView.of, itertools.islice(read, self.settings.early_reads)),
+                                                    key=lambda task: task.spec.priority):
+                if above is not None and priority <= above:
+                    return None
+                tasks = [task for task in band if view.unlisted([task], self.identity.holder, now)[0]]
+                candidates, division = view.unlisted(tasks, self.identity.holder, now)
+                if candidates:
+                    return tasks, candidates, division
+        except (errors.Unreachable, errors.ServerError) as exc:
+            log.info("could not read the best of queue %s before its list ended: %s", view.queue, exc)
+        return None
 
     def _look(self, view: QueueView) -> tuple[list[Candidate], Division]:
         return view.choose(self.identity.holder, self.kube.now(), window=self.settings.best_of,
