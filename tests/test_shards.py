@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tasklease.agent.division import LABEL_SHARD, SHARDS, VIEWERS, shard_label, shard_of, viewers
 from tasklease.agent.ranked import DEFAULT_RANK, LABEL_RANK, labelled
 from tasklease.agent.taskwatch import TaskWatches
+from tasklease.api import errors
 from tasklease.kube import JSON
 
 pytestmark = pytest.mark.unit
@@ -61,8 +62,18 @@ class _NoKube:
 
     namespace = "ns"
 
+    def __init__(self) -> None:
+        self.watched: list[tuple[str, str]] = []  # (label selector, resource version) of each watch asked for
+
     def list_pages(self, *args: Any, **kwargs: Any) -> Iterator[JSON]:
         yield {"metadata": {"resourceVersion": "1"}, "items": []}
+
+    def list(self, *args: Any, **kwargs: Any) -> JSON:
+        raise errors.Forbidden("no API server here")  # a watch that lists stops at once
+
+    def watch(self, *args: Any, label_selector: str, resource_version: str, **kwargs: Any) -> Iterator[JSON]:
+        self.watched.append((label_selector, resource_version))
+        raise errors.Forbidden("no API server here")
 
 
 def _task(name: str, shard: int | None) -> JSON:
@@ -135,3 +146,30 @@ def test_a_watch_whose_shards_are_mostly_others_now_is_replaced_and_its_tasks_ke
     assert first not in watches._watches and watches._told["a"] == _key(watches, 0) == _key(watches, 9)
     watches._on(first, "MODIFIED", _task("a", 0))  # the replaced watch's last events are ignored
     assert told == ["ADDED a", "ADDED b"]
+
+
+def test_a_watch_that_told_everything_hands_its_shards_still_viewed_to_a_narrower_one_without_a_list() -> None:
+    watches, told, dropped = _watches()
+    watches._view(frozenset({0, 1, 2}))
+    first = _key(watches, 0)
+    watches._on(first, "ADDED", _task("a", 0))
+    watches._on(first, "ADDED", _task("b", 2))
+    watches._watches[first].delivered = "7"  # its list has ended: it told everything up to version 7
+    watches.view({0, 1})  # a peer came: shard 2 is its now
+    narrowed = _key(watches, 0)
+    assert narrowed != first and _key(watches, 1) == narrowed and first not in watches._watches
+    assert watches._listing[narrowed] == frozenset({0, 1})
+    watches._watches[narrowed]._thread.join(5)
+    assert watches._kube.watched == [(f"{LABEL_RANK}={DEFAULT_RANK},{LABEL_SHARD} in (0,1)", "7")]  # type: ignore[attr-defined]
+    assert dropped == ["b"] and watches._told == {"a": narrowed}
+    watches._on(first, "MODIFIED", _task("a", 0))  # the old watch's last events are ignored
+    watches._on(narrowed, "MODIFIED", _task("a", 0))
+    assert told == ["ADDED a", "ADDED b", "MODIFIED a"]
+
+
+def test_a_watch_still_listing_keeps_shards_of_others_until_they_are_most_of_it() -> None:
+    watches, _, dropped = _watches()
+    watches._view(frozenset({0, 1, 2}))
+    first = _key(watches, 0)
+    watches.view({0, 1})  # no version to hand over from yet: two of three shards are still ours
+    assert _key(watches, 0) == first and watches._listing[first] == frozenset({0, 1, 2})

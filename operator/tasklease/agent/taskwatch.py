@@ -8,10 +8,13 @@ valid shard (created by hand). The three selections are disjoint and cover the q
 
 When the agent's viewed shards change (a peer came or went), the shards gained are watched by
 a watch of their own, listed at once; the tasks of shards lost leave the picture at once, and
-their later events are ignored. A watch whose shards are now mostly others' is replaced by one
-of the shards still viewed (its peers' events would cost more than that list). Each task
-remembers the watch that told it last, so a task that moves between watches (its labels
-changed) is neither lost nor kept twice.
+their later events are ignored. A watch that selects shards no longer viewed is narrowed: a
+watch of the shards still viewed takes over from the version up to which the old one told
+everything (`Reflector.delivered`), with no list, so that no event of another agent's shard
+reaches this one. Only a watch still listing cannot hand over: it is replaced by a watch that
+lists its shards again once they are mostly others' (their events would cost more than that
+list). Each task remembers the watch that told it last, so a task that moves between watches
+(its labels changed) is neither lost nor kept twice.
 """
 
 from __future__ import annotations
@@ -74,8 +77,8 @@ class TaskWatches:
 
     def view(self, shards: Collection[int]) -> None:
         """From now on, view `shards`: the tasks of those left leave the picture (`drop`), those
-        gained are listed, and a watch whose shards are now mostly others' is replaced (its
-        own listed again): its peers' events would cost more than a list."""
+        gained are listed, and a watch that selects shards left is narrowed to those kept
+        (see the module)."""
         viewed = frozenset(shards)
         with self._lock:
             if self._stopped or viewed == frozenset(self._by_shard):
@@ -87,14 +90,21 @@ class TaskWatches:
             for name in gone:
                 del self._shard[name]
                 del self._told[name]
-            ended = []
+            ended, started = [], []
             for key in [k for k in self._watches if k >= 0]:
-                kept = [s for s, k in self._by_shard.items() if k == key]
-                if len(self._listing[key]) > 2 * len(kept):
+                kept = frozenset(s for s, k in self._by_shard.items() if k == key)
+                if kept == self._listing[key]:
+                    continue
+                since = self._watches[key].delivered
+                if kept and since:
+                    ended.append(self._end(key))
+                    started.append(self._watch(kept, since=since))
+                elif len(self._listing[key]) > 2 * len(kept):
                     ended.append(self._end(key))
                     for shard in kept:  # listed again below, their tasks kept meanwhile
                         del self._by_shard[shard]
-            started = self._view(viewed)
+            started += self._view(viewed)
+            started = [r for r in started if r in self._watches.values()]  # not merged away by `_view`
         for r in ended:
             r.stop()
         if gone:
@@ -114,17 +124,23 @@ class TaskWatches:
             for key in sharded:
                 self._end(key).stop()
             gained = shards
+        return [self._watch(gained)]
+
+    def _watch(self, shards: frozenset[int], *, since: str = "") -> Reflector:
+        """Caller holds the lock. A watch of `shards` that answers for them and their tasks from
+        now on: it lists them, or it goes on `since` that version (the caller ends the watch
+        that told them up to it)."""
         key = self._next_key
         self._next_key += 1
-        for shard in gained:
+        for shard in shards:
             self._by_shard[shard] = key
         for name, shard in self._shard.items():
-            if shard in gained:
+            if shard in shards:
                 self._told[name] = key
-        selector = f"{LABEL_RANK}={DEFAULT_RANK},{LABEL_SHARD} in ({','.join(map(str, sorted(gained)))})"
-        self._watches[key] = self._make(key, selector)
-        self._listing[key] = gained
-        return [self._watches[key]]
+        selector = f"{LABEL_RANK}={DEFAULT_RANK},{LABEL_SHARD} in ({','.join(map(str, sorted(shards)))})"
+        self._watches[key] = self._make(key, selector, since=since)
+        self._listing[key] = shards
+        return self._watches[key]
 
     def _end(self, key: int) -> Reflector:
         """Caller holds the lock. Forget watch `key`; the caller stops it."""
@@ -151,11 +167,11 @@ class TaskWatches:
         """The watches under way (tools and tests relist them by hand)."""
         return self._current()
 
-    def _make(self, key: int, labels: str) -> Reflector:
+    def _make(self, key: int, labels: str, *, since: str = "") -> Reflector:
         return Reflector(self._kube, TASKS, namespace=self._namespace, field_selector=self._selectors[0],
                          watch_field_selector=self._selectors[1], label_selector=labels,
                          listener=lambda kind, obj: self._on(key, kind, obj), keep_objects=False,
-                         known=lambda: self._told_by(key), watch_list=True, batch_s=self._batch_s)
+                         known=lambda: self._told_by(key), watch_list=True, batch_s=self._batch_s, since=since)
 
     def _told_by(self, key: int) -> list[str]:
         with self._lock:

@@ -74,7 +74,9 @@ class Reflector:
     caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
     as a streaming list (see the module), `pages` counting every `page_size` objects.
     `batch_s`: the watch after the list reads a busy stream a batch at a time, each event up
-    to `batch_s` late (`Kube.watch`); a list is read as fast as it comes.
+    to `batch_s` late (`Kube.watch`); a list is read as fast as it comes. `delivered`: the
+    version up to which the listener has been told everything selected, or "" while a list
+    is under way: a watch started from it (`since`) misses nothing this one told.
 
     `watch_field_selector`: the watch that follows a list selects with it, a superset of
     `field_selector`, which the reflector then applies itself: an object that stops matching
@@ -116,6 +118,7 @@ class Reflector:
         self._hangup = Hangup()  # `stop` ends a watch under way at once, not at its next event
         self._pinned: _Pinned | None = None  # the watch opened before a streaming list, until it is read
         self._rv = since
+        self.delivered = since
         self._thread = threading.Thread(target=self._run, name=f"watch-{resource.plural}", daemon=True)
 
     def start(self) -> None:
@@ -196,6 +199,7 @@ class Reflector:
         return name in (self.known() if self.known is not None else self.store)
 
     def _relist(self) -> None:
+        self.delivered = ""
         unlisted = self._unlisted()
         since, start = "", ""
         retry = Backoff(base_s=_RETRY_BASE_S, cap_s=_RETRY_CAP_S)
@@ -248,6 +252,7 @@ class Reflector:
         """A streaming list, the watch that follows it opened just before (`_Pinned`). Whether
         the list ended: until the bookmark that ends it, a broken stream is a list to start
         again (`_rv` stays empty), while the watch opened before it goes on."""
+        self.delivered = ""
         unlisted = self._unlisted()
         listed = 0
         version = self._pin()
@@ -303,7 +308,7 @@ class Reflector:
         for name in unlisted or ():
             if self.has(name):  # the store keeps nothing when the listener keeps the names
                 self._deliver("DELETED", self._stored(name, self.store.pop(name, None)))
-        self._rv = version
+        self._rv = self.delivered = version
         self.error = None
         if self._pinned is not None:
             self._pinned.listed()
@@ -326,6 +331,7 @@ class Reflector:
                 if self._stop.is_set():
                     return
                 self._event(event["type"], event["object"])
+                self.delivered = self._rv  # only now: another thread reads it while the listener runs
         finally:
             if pinned is not None:
                 pinned.stop()
