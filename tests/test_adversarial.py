@@ -531,6 +531,9 @@ def test_a_member_lease_that_says_maybe(arena: Arena) -> None:
     body = member_body(arena, arena.bob_holder)
     body["metadata"]["annotations"][members.ANN_CLAIMING] = "maybe"
     refused(lambda: arena.bob.create(LEASES, body), "tasklease.dev/claiming must be true or false")
+    body = member_body(arena, arena.bob_holder)
+    body["metadata"]["annotations"][members.ANN_WAITING] = "for ever"
+    refused(lambda: arena.bob.create(LEASES, body), "tasklease.dev/waiting must be true or false")
 
 
 def test_a_member_lease_that_drops_its_pod(arena: Arena) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -452,6 +453,25 @@ def test_a_claiming_member_tells_what_it_took_at_once_when_a_peer_joins(kube: Ku
         # The writer counts its write once the answer is in: the watch may show it sooner.
         wait_for(lambda: member.writes.told >= 1, message="the tell counted")
         assert member.writes.told == 1
+
+
+def test_a_member_says_it_waits_once_a_claim_has_waited_a_while_and_not_after(kube: Kube) -> None:
+    """A claim that waits takes the member's shards' tasks as they come: once it has waited
+    `WAITING_S` its peers hear it (and need not read those shards), a shorter wait says
+    nothing, and the first write after the wait ended says it no more."""
+    with _member_heard(kube, "waits", "w/x", 0) as (member, said):
+        wait_for(lambda: bool(said), message="the member's first write")
+        first = len(said)
+        member.waiting()()  # a wait that ended at once
+        began = time.monotonic()
+        ended = member.waiting()
+        wait_for(lambda: said[-1].waiting, message="the wait said")
+        assert time.monotonic() - began >= members.WAITING_S and len(said) == first + 1  # nothing before
+        writes = len(said)
+        ended()
+        assert not said[-1].claiming  # a wait is no claim: nothing of ours is parked for it
+        wait_for(lambda: len(said) > writes, message="the next write, to say it is alive")
+        assert not said[-1].waiting
 
 
 def test_a_band_left_to_a_claiming_peer_holds_our_lower_bands_back(kube: Kube) -> None:

@@ -93,6 +93,20 @@ def test_an_idle_agent_claims_a_task_that_only_busy_peers_watch(
     task.complete("ok")
 
 
+def test_a_task_that_only_members_making_no_claim_watch_is_claimed_by_one_that_waits(
+        kube: Kube, members: Callable[[str, int], tuple[list[Agent], list[QueueView]]]) -> None:
+    """Its viewers joined and hold nothing, but make no claim (an SDK user between claims):
+    the agent that waits reads the queue for it."""
+    agents, views = members("nc", 3)
+    holders = frozenset(a.identity.holder for a in agents)
+    idle = frozenset(a.identity.holder for a in agents[:2])
+    name = _named(holders, lambda v: v == idle, "unwatched")
+    _create(kube, name, "nc")
+    task = agents[2].claim("nc", timeout=30)
+    assert task.name == name and not views[2].task_watch.has(name)
+    task.complete("ok")
+
+
 def test_a_lower_band_waits_while_a_shard_the_agent_does_not_watch_has_a_default_task(
         kube: Kube, members: Callable[[str, int], tuple[list[Agent], list[QueueView]]]) -> None:
     agents, views = members("st", 3)

@@ -90,7 +90,13 @@ class Peer:
     holder: str
     holding: int
     claiming: bool  # taking its own tasks: they are left to it
+    waiting: bool  # in a claim that waits for a task: it takes its shards' tasks as they come
     until: datetime  # gone, unless renewed before (our clock: when we saw it, plus its duration)
+
+
+def _outside(peer: Peer) -> bool:
+    """`peer` neither claims nor waits in a claim: no claim of its own takes its shards' tasks."""
+    return not peer.claiming and not peer.waiting
 
 
 def _peer_set(live: list[Peer], holder: str) -> frozenset[str]:
@@ -220,19 +226,30 @@ class QueueView:
         among the members as `choose` divides. A task claimed since it was read costs a 409."""
         with self._changed:
             peers = _peer_set(self._live_members(now), holder)
-            found: dict[str, Candidate] = {}
-            for task in tasks:
-                rec = self._leases.get(task.name)
-                tried = self._taken.get(task.name)
-                if tried is not None and tried == (rec.resource_version if rec else ""):
-                    continue  # taken since, as far as we know
-                if rec is None and task.status_attempt:
-                    continue  # claimed before and its Lease is not free: held or closed
-                if blocker(task, rec, now) is None:
-                    found[task.name] = (task, self._with_history(task.name))
+            found = self._claimable(tasks, now)
             busy = {m.holder for m in self._members.values() if m.holding}
             division = divide(holder, list(found), functools.partial(owner, peers), busy)
             return [found[n] for n in division.names], division
+
+    def claimable(self, tasks: list[TaskView], now: datetime) -> list[TaskView]:
+        """Those of `tasks` that `unlisted` would offer someone, in their order, undivided."""
+        with self._changed:
+            return [task for task, _ in self._claimable(tasks, now).values()]
+
+    def _claimable(self, tasks: list[TaskView], now: datetime) -> dict[str, Candidate]:
+        """Caller holds the lock. Those of `tasks` that may be claimed at `now`, by the Leases
+        this view knows, by name, in their order."""
+        found: dict[str, Candidate] = {}
+        for task in tasks:
+            rec = self._leases.get(task.name)
+            tried = self._taken.get(task.name)
+            if tried is not None and tried == (rec.resource_version if rec else ""):
+                continue  # taken since, as far as we know
+            if rec is None and task.status_attempt:
+                continue  # claimed before and its Lease is not free: held or closed
+            if blocker(task, rec, now) is None:
+                found[task.name] = (task, self._with_history(task.name))
+        return found
 
     def stop(self) -> None:
         self.task_watch.stop()
@@ -419,12 +436,12 @@ class QueueView:
         """The view leaves out the tasks of some shards (their viewers are others)."""
         return len(self.task_watch.viewed) < SHARDS
 
-    def busy_peers(self, holder: str) -> bool:
-        """Whether a peer of `holder` holds tasks and is not claiming: the tasks it views that it
-        would own are left to its deputy, or to an agent that reads them (`Agent._beyond`)."""
+    def peers_outside_claims(self, holder: str) -> bool:
+        """Whether a peer of `holder` neither claims nor waits in a claim (busy with the tasks it
+        holds, or making no claim at all): the tasks it views that it would own are left to its
+        deputy, or to an agent that reads them (`Agent._beyond`)."""
         with self._changed:
-            return any(m.holding and not m.claiming and m.holder != holder
-                       for m in self._live_members(self._now()))
+            return any(_outside(m) and m.holder != holder for m in self._live_members(self._now()))
 
     def claimable_count(self) -> int:
         with self._changed:
@@ -561,7 +578,7 @@ class QueueView:
                 self._members.pop(member.name, None)
             else:
                 self._members[member.name] = Peer(holder=member.holder, holding=member.holding,
-                                                  claiming=member.claiming,
+                                                  claiming=member.claiming, waiting=member.waiting,
                                                   until=now + timedelta(seconds=member.duration_s))
             after = self._members.get(member.name)
             joined = after.holder if after and not before else ""
@@ -570,10 +587,10 @@ class QueueView:
                 peers = _peer_set(self._live_members(now), self._holder)
                 if peers != self._owners_of:
                     self._divide(peers, now)
-            busy = [bool(m and m.holding and not m.claiming) for m in (before, after)]
-            if came_or_went or told or (busy[0] != busy[1] and self.partial):
+            outside = [m is not None and _outside(m) for m in (before, after)]
+            if came_or_went or told or (outside[0] != outside[1] and self.partial):
                 # A peer came or went (the tasks are divided anew), a band held back may be free,
-                # or a peer became busy (what its shards hold may be ours to read) or stopped being.
+                # or a peer left its claims (what its shards hold may be ours to read) or came back.
                 self._bump()
             if after is None or not after.claiming:  # its share, if we parked any, is a thief's now
                 self._unpark({before.holder if before else member.holder, ""}, now)

@@ -4,8 +4,9 @@ Written at once on joining, then every third of its duration (liveness); when we
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
 operator did not project; at once for a theft, when a peer joins, when we move to a lower
 band or are held back from one, if there is anything to tell; every `TELL_MAX` untold
-claims. On `close`, it tells what is left to tell, then is deleted (or, where the agent may
-not delete it, says the agent left).
+claims; when a claim has waited `WAITING_S` for a task (that it waits; that it stopped is
+said by the next write). On `close`, it tells what is left to tell, then is deleted (or,
+where the agent may not delete it, says the agent left).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Final
 
 from tasklease.api import errors
 from tasklease.kube import JSON
-from tasklease.protocol.members import DURATION_S, QUIET_S, TELL_MAX, MemberLease
+from tasklease.protocol.members import DURATION_S, QUIET_S, TELL_MAX, WAITING_S, MemberLease
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class Membership:
         self._claimed_at = -math.inf  # our last claim (monotonic)
         self._claiming = False  # what our next write says
         self._said = False  # what our last write said
+        self._waits: dict[int, float] = {}  # claims waiting for a task now → since when (monotonic)
+        self._next_wait = 0
+        self._said_waiting = False  # what our last write said
         self._wake = threading.Condition()
         self._stopping = False
         self.writes = Writes()
@@ -82,6 +86,21 @@ class Membership:
                 sooner = sooner or len(self._untold) == TELL_MAX
             if sooner:
                 self._wake.notify()
+
+    def waiting(self) -> Callable[[], None]:
+        """A claim of ours waits for a task, until the returned function is called: once it has
+        waited `WAITING_S`, our peers hear that we take our shards' tasks as they come, and need
+        not read them (`Agent._beyond`)."""
+        with self._wake:
+            key, self._next_wait = self._next_wait, self._next_wait + 1
+            self._waits[key] = time.monotonic()
+            if len(self._waits) == 1 and not self._said_waiting:
+                self._wake.notify()  # to write when it has waited long enough
+
+        def ended() -> None:
+            with self._wake:
+                self._waits.pop(key, None)
+        return ended
 
     def held_back(self) -> None:
         """We may claim nothing now: a higher band is left to claiming peers (strict priority).
@@ -123,18 +142,22 @@ class Membership:
             due = min(last + DURATION_S / 3, self._claimed_at + QUIET_S) - now  # alive, or quiet
         else:
             due = last + DURATION_S / 3 - now
+        if self._waits and not self._said_waiting:
+            due = min(due, min(self._waits.values()) + WAITING_S - now)
         return max(due, not_before - now)
 
-    def _next(self, *, leaving: bool) -> tuple[list[str], bool]:
+    def _next(self, *, leaving: bool) -> tuple[list[str], bool, bool]:
         """Caller holds the lock. What the write about to be made says: the claims it tells of,
-        and whether we claim. All of them once we stopped claiming (or are `leaving`), or it is
-        urgent (a theft, a join, a lower band), or they are many; none while we claim (our
-        peers leave our share to us)."""
-        self._claiming = self._claiming and not leaving and time.monotonic() - self._claimed_at < QUIET_S
+        whether we claim, and whether we wait in a claim. All the claims once we stopped
+        claiming (or are `leaving`), or it is urgent (a theft, a join, a lower band), or they
+        are many; none while we claim (our peers leave our share to us)."""
+        now = time.monotonic()
+        self._claiming = self._claiming and not leaving and now - self._claimed_at < QUIET_S
+        waiting = not leaving and any(now - since >= WAITING_S for since in self._waits.values())
         if not (self._urgent or not self._claiming or len(self._untold) >= TELL_MAX):
-            return [], True
+            return [], True, waiting
         told, self._untold, self._urgent = list(self._untold), {}, False
-        return told, self._claiming
+        return told, self._claiming, waiting
 
     def _run(self) -> None:
         last, not_before = -math.inf, 0.0  # write at once: we are at work from now on
@@ -143,20 +166,21 @@ class Membership:
                 while not self._stopping and (due := self._due(last, not_before)) > 0:
                     self._wake.wait(due)
                 stopping = self._stopping
-                told, claiming = self._next(leaving=stopping)
+                told, claiming, waiting = self._next(leaving=stopping)
             if stopping and last == -math.inf:  # never written: our peers never counted us
                 return
             try:
                 # Leaving, the last write tells and still names us: it is what proves the Lease
                 # ours when we delete it (the admission policy).
-                if not self._lease.write(told, 0 if stopping else self._holding(), claiming=claiming):
+                if not self._lease.write(told, 0 if stopping else self._holding(), claiming=claiming,
+                                         waiting=waiting):
                     log.warning("Lease %s is not a member Lease (a Task of that name?): this agent works "
                                 "without telling its peers, who may race it more", self._lease.name)
                     return
                 self.writes += Writes(told=1) if told else Writes(liveness=1)
                 last = time.monotonic()
                 with self._wake:
-                    self._said = claiming
+                    self._said, self._said_waiting = claiming, waiting
             except errors.TaskleaseError as exc:  # our peers count us for DURATION_S: try again soon
                 log.warning("could not write member Lease %s: %s", self._lease.name, exc)
                 with self._wake:

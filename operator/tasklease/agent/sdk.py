@@ -187,57 +187,64 @@ class Agent:
             member = joining.result()
         give_up = None if timeout is None else time.monotonic() + timeout
         rounds_lost = 0
-        while True:
-            self._check_open()
-            if stop is not None and stop.is_set():
-                raise errors.NothingToClaim("stopped")
-            since = view.generation()
-            listed = view.listed
-            kept = self._kept(view, since, listed)
-            candidates, recheck, ours = kept or (
-                self._pick(view, member, stop) if listed else self._early(view, best))
-            best = None
-            view.start_tasks()
-            admission = self._gates.admit(queue, wanted=bool(candidates))
-            if admission.wait_s:  # paused, at its claim rate, or no slot free under maxRunning
-                candidates, recheck = [], admission.wait_s
-            claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
-            self._gates.bind(queue, admission, claimed)
-            if claimed is not None:
-                if not listed:
-                    with self._views_lock:
-                        self._early_won.add(queue)
-                if rest and ours and listed:  # an early read is kept whole (`_early`)
-                    with self._views_lock:
-                        self._next[queue] = (since, rest)
-                return claimed
-            wait = recheck
-            if lost:
-                if kept is not None and not listed:  # an early read lost again: too stale, read anew
-                    with self._views_lock:
-                        self._next.pop(queue, None)
-                rounds_lost += 1
-                if rounds_lost < settings.lost_rounds and (view.claimable_count() or not listed):
-                    continue  # the lost ones left the index: the next look offers others
-                # Round after round lost: our picture is behind. Let the watch catch up (the
-                # winners' writes are on their way) instead of spinning on stale candidates.
-                rounds_lost, wait = 0, settings.catch_up_s
-            next_ready = view.next_not_before()
-            if give_up is not None and listed:
-                left = give_up - time.monotonic()
-                if next_ready is not None:  # a task that may be due already is worth its wait
-                    left = max(left, self._unsure_wait(next_ready) or 0.0)
-                if left <= 0:
-                    raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
-                wait = min(wait, left)
-            if next_ready is not None:
-                wait = min(wait, max((next_ready - self.kube.now()).total_seconds(), 0.05))
-            if stop is not None:
-                wait = min(wait, settings.stop_check_s)  # a local wake-up to notice `stop`, no request
-            if listed:
-                view.wait_for_change(since, wait)
-            else:  # every page of the list moves the generation
-                view.wait_listed(min(wait, settings.early_s))
+        waiting: Callable[[], None] | None = None  # ends our wait (`Membership.waiting`), once we wait
+        try:
+            while True:
+                self._check_open()
+                if stop is not None and stop.is_set():
+                    raise errors.NothingToClaim("stopped")
+                since = view.generation()
+                listed = view.listed
+                kept = self._kept(view, since, listed)
+                candidates, recheck, ours = kept or (
+                    self._pick(view, member, stop) if listed else self._early(view, best))
+                best = None
+                view.start_tasks()
+                admission = self._gates.admit(queue, wanted=bool(candidates))
+                if admission.wait_s:  # paused, at its claim rate, or no slot free under maxRunning
+                    candidates, recheck = [], admission.wait_s
+                claimed, lost, rest = self._try(view, member, candidates, ours=ours, interrupt=interrupt)
+                self._gates.bind(queue, admission, claimed)
+                if claimed is not None:
+                    if not listed:
+                        with self._views_lock:
+                            self._early_won.add(queue)
+                    if rest and ours and listed:  # an early read is kept whole (`_early`)
+                        with self._views_lock:
+                            self._next[queue] = (since, rest)
+                    return claimed
+                wait = recheck
+                if lost:
+                    if kept is not None and not listed:  # an early read lost again: too stale, read anew
+                        with self._views_lock:
+                            self._next.pop(queue, None)
+                    rounds_lost += 1
+                    if rounds_lost < settings.lost_rounds and (view.claimable_count() or not listed):
+                        continue  # the lost ones left the index: the next look offers others
+                    # Round after round lost: our picture is behind. Let the watch catch up (the
+                    # winners' writes are on their way) instead of spinning on stale candidates.
+                    rounds_lost, wait = 0, settings.catch_up_s
+                next_ready = view.next_not_before()
+                if give_up is not None and listed:
+                    left = give_up - time.monotonic()
+                    if next_ready is not None:  # a task that may be due already is worth its wait
+                        left = max(left, self._unsure_wait(next_ready) or 0.0)
+                    if left <= 0:
+                        raise errors.NothingToClaim(f"nothing claimable in queue {queue!r}")
+                    wait = min(wait, left)
+                if next_ready is not None:
+                    wait = min(wait, max((next_ready - self.kube.now()).total_seconds(), 0.05))
+                if stop is not None:
+                    wait = min(wait, settings.stop_check_s)  # a local wake-up to notice `stop`, no request
+                if waiting is None:
+                    waiting = member.waiting()
+                if listed:
+                    view.wait_for_change(since, wait)
+                else:  # every page of the list moves the generation
+                    view.wait_listed(min(wait, settings.early_s))
+        finally:
+            if waiting is not None:
+                waiting()
 
     def claim_once(self, queue: str, *, interrupt: bool = False) -> ClaimedTask:
         """One look, no watch, for the stateless CLI: the queue's open Tasks are read best first,
@@ -482,12 +489,12 @@ class Agent:
     def _beyond(self, view: QueueView, found: list[Candidate]) -> tuple[list[Candidate], float, bool] | None:
         """A look at the shards we view found nothing, or only tasks below the default band:
         the shards our peers view may hold better ones (strict priority), or tasks that their
-        busy viewers leave (a thief's). Read the queue's best (`_best`) and judge it as before
-        the list ended (`QueueView.unlisted`), ours first. None: nothing to read for, or nothing
-        better than `found`."""
+        viewers leave, being outside their claims (a thief's). Read the queue's best (`_best`)
+        and judge it as before the list ended (`QueueView.unlisted`), ours first. None: nothing
+        to read for, or nothing better than `found`."""
         band = found[0][0].spec.priority if found else None
-        if band is None and not view.busy_peers(self.identity.holder):
-            return None  # peers that claim take their own shards' tasks
+        if band is None and not view.peers_outside_claims(self.identity.holder):
+            return None  # peers that claim, or wait in a claim, take their own shards' tasks
         with self._views_lock:
             if band is not None and time.monotonic() < self._nothing_beyond.get(view.queue, -math.inf):
                 return None
@@ -545,7 +552,7 @@ class Agent:
                                                     key=lambda task: task.spec.priority):
                 if above is not None and priority <= above:
                     return None
-                tasks = [task for task in band if view.unlisted([task], self.identity.holder, now)[0]]
+                tasks = view.claimable(list(band), now)
                 candidates, division = view.unlisted(tasks, self.identity.holder, now)
                 if candidates:
                     return tasks, candidates, division

@@ -189,6 +189,9 @@ def _readable(base: Path, entry: dict[str, Any], key: str, of: str) -> str:
     return str(path)
 
 
+_ALPN = ["http/1.1"]  # what urllib3 asks for
+
+
 class _OneAlpn(ssl.SSLContext):
     """A client context whose ALPN list is set once, when it is made. urllib3 sets the list
     again on the shared context for each new connection, and OpenSSL frees the old list as it
@@ -198,9 +201,6 @@ class _OneAlpn(ssl.SSLContext):
     def set_alpn_protocols(self, alpn_protocols: Iterable[str]) -> None:
         if list(alpn_protocols) != _ALPN:
             raise ValueError(f"this context speaks {_ALPN} only")
-
-
-_ALPN = ["http/1.1"]  # what urllib3 asks for
 
 
 def _client_tls(cafile: str | None = None) -> ssl.SSLContext:

@@ -19,6 +19,11 @@ than the task's own writes). Instead each agent at work keeps a member Lease of 
   claim, nor once a second while it claims, which at 16 agents cost more than the tasks'
   own writes.
 - `tasklease.dev/holding`: how many leases it holds: a thief takes from busy agents first.
+- `tasklease.dev/waiting`: "true" while a claim of its has waited for a task for a while
+  (`WAITING_S`): it takes its shards' tasks as they come, so a peer whose own shards hold
+  nothing need not read them. A member that neither claims nor waits (an SDK user between
+  claims, or one busy with what it holds) takes none: its peers read the queue for them.
+  Unlike `claiming`, it keeps nothing parked for the member. Optional: absent means "false".
 - `leaseDurationSeconds`: a member not seen written for that long is gone.
 
 Member Leases are not task Leases: labelled `tasklease.dev/agent-of=<queue>`, never
@@ -44,6 +49,7 @@ LABEL_AGENT_OF: Final = "tasklease.dev/agent-of"
 ANN_TOOK: Final = "tasklease.dev/took"
 ANN_CLAIMING: Final = "tasklease.dev/claiming"
 ANN_HOLDING: Final = "tasklease.dev/holding"
+ANN_WAITING: Final = "tasklease.dev/waiting"
 DURATION_S: Final = 10
 # A member that claimed nothing for this long stops claiming: it tells what it took, and its
 # peers may take its share (long work keeps it away, or it has stopped). Longer than most
@@ -51,6 +57,9 @@ DURATION_S: Final = 10
 QUIET_S: Final = 5.0
 # A claiming member tells once it has this many untold claims: its annotation stays small.
 TELL_MAX: Final = 256
+# A claim that has waited this long for a task says so (`ANN_WAITING`); shorter waits, a claim
+# lost to a peer at work, say nothing: a busy queue's members write nothing per claim.
+WAITING_S: Final = 1.0
 
 
 def selector(queue: str) -> str:
@@ -63,14 +72,15 @@ def retire(kube: Kube, lease: JSON) -> None:
     claims no more until its Lease runs out. Conflict if it was written meanwhile."""
     meta = lease["metadata"]
     kube.merge_patch(LEASES, meta["name"], {
-        "metadata": {"resourceVersion": meta["resourceVersion"], "annotations": _annotations([], 0, claiming=False)},
+        "metadata": {"resourceVersion": meta["resourceVersion"],
+                     "annotations": _annotations([], 0, claiming=False, waiting=False)},
         "spec": {"holderIdentity": None}}, namespace=meta["namespace"], timeout=5)
 
 
-def _annotations(took: list[str], holding: int, *, claiming: bool) -> dict[str, str]:
+def _annotations(took: list[str], holding: int, *, claiming: bool, waiting: bool) -> dict[str, str]:
     """Every annotation a member Lease carries, every time: a merge patch keeps what it does not name."""
     return {ANN_TOOK: json.dumps(took, separators=(",", ":")), ANN_HOLDING: str(holding),
-            ANN_CLAIMING: "true" if claiming else "false"}
+            ANN_CLAIMING: "true" if claiming else "false", ANN_WAITING: "true" if waiting else "false"}
 
 
 def lease_name(queue: str, holder: str) -> str:
@@ -87,6 +97,7 @@ class Member:
     took: tuple[str, ...] = ()
     holding: int = 0
     claiming: bool = False
+    waiting: bool = False
     duration_s: int = DURATION_S
 
 
@@ -99,7 +110,7 @@ def decode(lease: JSON) -> Member:
     except (ValueError, TypeError, RecursionError):  # edited by hand, or nested past the decoder: still a peer
         took, holding = (), 0
     return Member(name=meta["name"], holder=spec.get("holderIdentity") or "", took=took, holding=holding,
-                  claiming=ann.get(ANN_CLAIMING) == "true",
+                  claiming=ann.get(ANN_CLAIMING) == "true", waiting=ann.get(ANN_WAITING) == "true",
                   duration_s=int(spec.get("leaseDurationSeconds") or DURATION_S))
 
 
@@ -117,11 +128,13 @@ class MemberLease:
         self.name = lease_name(queue, holder)
         self._version = ""  # after our last write
 
-    def write(self, took: list[str], holding: int, *, claiming: bool = False, left: bool = False) -> bool:
+    def write(self, took: list[str], holding: int, *, claiming: bool = False, waiting: bool = False,
+              left: bool = False) -> bool:
         """Say we work the queue (or `left` it), holding `holding` leases, `claiming` or not,
-        having taken `took` since the last write. False when the name belongs to a Lease that is not a member's
-        (a Task named so): then this agent cannot tell its peers anything."""
-        body = self._body(took, holding, claiming=claiming, left=left)
+        `waiting` in a claim or not, having taken `took` since the last write. False when the name
+        belongs to a Lease that is not a member's (a Task named so): then this agent cannot tell its
+        peers anything."""
+        body = self._body(took, holding, claiming=claiming, waiting=waiting, left=left)
         if self._version:
             try:
                 self._patch(body, self._version)
@@ -164,9 +177,10 @@ class MemberLease:
         self._version = self._kube.merge_patch(LEASES, self.name, conditional, namespace=self._namespace,
                                                timeout=5)["metadata"]["resourceVersion"]
 
-    def _body(self, took: list[str], holding: int, *, claiming: bool, left: bool) -> JSON:
+    def _body(self, took: list[str], holding: int, *, claiming: bool, waiting: bool, left: bool) -> JSON:
         meta: JSON = {"name": self.name, "labels": {LABEL_AGENT_OF: label_value(self._queue)},
-                      "annotations": _annotations(took, holding, claiming=claiming and not left)}
+                      "annotations": _annotations(took, holding, claiming=claiming and not left,
+                                                  waiting=waiting and not left)}
         if self._pod is not None:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self._pod[0], "uid": self._pod[1],
                                         "blockOwnerDeletion": False}]

@@ -346,6 +346,8 @@ def _member() -> list[dict[str, str]]:
           f"{members.ANN_HOLDING} must be a count (a number)"),
         m(f"{_ann(members.ANN_CLAIMING)} in ['true', 'false']",
           f"{members.ANN_CLAIMING} must be true or false"),
+        m(f"{_ann(members.ANN_WAITING)} in ['', 'true', 'false']",
+          f"{members.ANN_WAITING} must be true or false"),
     ]
 
 
