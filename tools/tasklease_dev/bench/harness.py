@@ -1,11 +1,13 @@
 """Cases run side by side: worker processes made ready first, then let go, and pairs of cases in alternating order.
 
 A shared machine's speed changes from one minute to the next (the raw floor alone by a
-factor of several): a ratio of two rates is only as good as their closeness in time, and
-setting a case up (its tasks, its workers, deleting the last one's namespace) takes longer
-than running it. So the cases of a ratio are made ready together and run back to back, in
-several pairs whose order alternates, and the ratio is taken over each two pairs in turn, one
-in each order (`ratio`).
+factor of several): a ratio of two rates is only as good as their closeness in time. So the
+cases of a ratio run one right after the other, in several pairs whose order alternates, and
+the ratio is taken over each two pairs in turn, one in each order (`ratio`). Each case is
+made ready just before it runs and its namespace is gone before the next one is made ready:
+a case's workers alive beside another case's run would weigh on it, and unevenly. Idle floor
+workers cost nothing, but an SDK fleet keeps its watches and member Leases, settles its
+shards for a moment after its agents are ready, and has the operator beside it.
 """
 
 from __future__ import annotations
@@ -151,26 +153,29 @@ def run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks:
 def side_by_side(kubeconfig: Path, modes: Sequence[str], *, workers: int, tasks: int,
                  operator_on: bool = False, queues: int = 1) -> dict[str, Results]:
     """The throughput cases of `modes` (floors, and "sdk": `tasks` tasks, `workers` workers),
-    each in a namespace of its own, all made ready first, then run one right after another.
-    With `operator_on`, the SDK's namespace has the operator running, as by default. With
-    `queues`, the tasks and the agents are spread over that many queues (`queue_of`): each
-    agent claims from one, and watches that one only."""
+    one after another, each in a namespace of its own (see the module). With `operator_on`,
+    the SDK's namespace has the operator running, as by default. With `queues`, the tasks and
+    the agents are spread over that many queues (`queue_of`): each agent claims from one, and
+    watches that one only."""
+    return {mode: _case(kubeconfig, mode, workers=workers, tasks=tasks, operator_on=operator_on, queues=queues)
+            for mode in modes}
+
+
+def _case(kubeconfig: Path, mode: str, *, workers: int, tasks: int, operator_on: bool, queues: int) -> Results:
+    """One case of `side_by_side`: made ready, run, and its namespace gone."""
     with contextlib.ExitStack() as stack:
-        ready_: dict[str, Workers] = {}
-        for mode in modes:
-            kube = stack.enter_context(namespace(kubeconfig))
-            beside: dict[str, int] = {}
-            if mode in ("sdk", "protocol", "raw3", "objects3"):  # they claim Tasks, or write their status
-                create_tasks(kube, tasks, queue="bench", queues=queues)
-            if mode == "sdk" and operator_on:
-                proc, port = operator(kube, kubeconfig)
-                stack.callback(stop, proc)
-                until(lambda port=port: ready(port), 120, "the operator to be ready")  # type: ignore[misc]
-                beside["operator"] = proc.pid
-            ready_[mode] = Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, beside=beside,
-                                   queues=queues)
-            stack.callback(ready_[mode].kill)
-        return {mode: ready_[mode].go() for mode in modes}
+        kube = stack.enter_context(namespace(kubeconfig))
+        beside: dict[str, int] = {}
+        if mode in ("sdk", "protocol", "raw3", "objects3"):  # they claim Tasks, or write their status
+            create_tasks(kube, tasks, queue="bench", queues=queues)
+        if mode == "sdk" and operator_on:
+            proc, port = operator(kube, kubeconfig)
+            stack.callback(stop, proc)
+            until(lambda: ready(port), 120, "the operator to be ready")
+            beside["operator"] = proc.pid
+        case = Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, beside=beside, queues=queues)
+        stack.callback(case.kill)
+        return case.go()
 
 
 def pairs(kubeconfig: Path, case: str, floor: str, *, count: int, workers: int, tasks: int,
@@ -188,8 +193,8 @@ def pairs(kubeconfig: Path, case: str, floor: str, *, count: int, workers: int, 
 
 def ratio(per_pair: list[float]) -> float:
     """The figure of `pairs`' ratios: the median, over each two pairs in turn (one in each
-    order), of their geometric mean. Here the first case of a pair has measured slower than the
-    second, whichever it was: a median of single pairs, with one order once more than the
+    order), of their geometric mean. A pair's order can favour one case (the first follows its
+    own setup, the second a run): a median of single pairs, with one order once more than the
     other, would lean that way. An odd last pair is left out, unless it is the only one."""
     couples = [math.sqrt(a * b) for a, b in zip(per_pair[::2], per_pair[1::2], strict=False)]
     return statistics.median(couples) if couples else per_pair[0]
