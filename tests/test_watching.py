@@ -215,6 +215,49 @@ def test_a_streaming_list_misses_nothing_and_the_watch_opened_before_it_goes_on(
     assert set(reflector.store) == {f"s-{i:02d}" for i in range(1, 25)} | {"s-late"}
 
 
+def test_delivered_says_up_to_which_version_everything_was_told_and_a_watch_from_it_misses_nothing(
+        kube: Kube) -> None:
+    """`Reflector.delivered` is empty while a list, and what changed while it was read, are
+    still being told; then it is the version up to which everything was, and a watch started
+    from it (`since`, no list: how an agent narrows a watch) tells what comes next only."""
+    for i in range(6):
+        kube.create(LEASES, lease(f"d-{i}", "delivered"))
+    watch, changed = kube.watch, []
+
+    def during(events: Iterator[JSON]) -> Iterator[JSON]:
+        for i, event in enumerate(events):
+            if i == 3 and not changed:  # halfway through the list: one comes, one goes
+                changed.append(kube.create(LEASES, lease("d-new", "delivered")))
+                kube.delete(LEASES, "d-5")
+                wait_for(lambda: {"d-new", "d-5"} <= set(getattr(reflector._pinned, "_waiting", ())),
+                         message="the watch opened before the list to hear both")
+            yield event
+
+    def listing(*args: Any, initial_events: bool = False, **kwargs: Any) -> Iterator[JSON]:
+        events = watch(*args, initial_events=initial_events, **kwargs)
+        return during(events) if initial_events else events
+    kube.watch = listing  # type: ignore[method-assign]
+    told: list[tuple[str, str]] = []  # "KIND name", and `delivered` as the listener was called
+    reflector = Reflector(kube, LEASES, namespace=kube.namespace, label_selector="test=delivered",
+                          listener=lambda kind, obj: told.append((f"{kind} {obj['metadata']['name']}",
+                                                                  reflector.delivered)),
+                          keep_objects=False, watch_list=True)
+    reflector.start()
+    wait_for(lambda: reflector.delivered != "", message="the list and what came meanwhile told")
+    assert sorted(e for e, _ in told) == sorted([*(f"ADDED d-{i}" for i in range(6)), "ADDED d-new", "DELETED d-5"])
+    assert {d for _, d in told} == {""}  # nothing could be trusted to be told while they were
+    assert int(reflector.delivered) >= int(changed[0]["metadata"]["resourceVersion"])
+    after = Seen()
+    narrower = Reflector(kube, LEASES, namespace=kube.namespace, label_selector="test=delivered", listener=after,
+                         keep_objects=False, since=reflector.delivered)
+    narrower.start()
+    kube.create(LEASES, lease("d-after", "delivered"))
+    wait_for(lambda: "ADDED d-after" in after, message="the next change, from the narrower watch")
+    assert list(after) == ["ADDED d-after"] and narrower.lists == 0
+    reflector.stop()
+    narrower.stop()
+
+
 def test_a_list_that_outlives_the_watch_caches_history_is_not_made_again(kube: Kube) -> None:
     """A deep queue that many agents list at once takes minutes, and by its end the API
     server's watch cache may no longer hold the events since the list's version (a watch from

@@ -308,10 +308,13 @@ class Reflector:
         for name in unlisted or ():
             if self.has(name):  # the store keeps nothing when the listener keeps the names
                 self._deliver("DELETED", self._stored(name, self.store.pop(name, None)))
-        self._rv = self.delivered = version
+        self._rv = version
+        # With a watch opened before the list, what changed while it was read is still to be
+        # told, and not in the order of its versions (`_Pinned.events`): `_watch` says when.
+        self.delivered = version if self._pinned is None else ""
         self.error = None
         if self._pinned is not None:
-            self._pinned.listed()
+            self._pinned.listed(version)
         if self.synced_at is None:
             self.synced_at = time.time()
         self.synced.set()
@@ -331,7 +334,8 @@ class Reflector:
                 if self._stop.is_set():
                     return
                 self._event(event["type"], event["object"])
-                self.delivered = self._rv  # only now: another thread reads it while the listener runs
+                if pinned is None or pinned.caught_up:  # only now: another thread reads it meanwhile
+                    self.delivered = self._rv
         finally:
             if pinned is not None:
                 pinned.stop()
@@ -413,6 +417,8 @@ class _Pinned:
         self._failed: JSON | None = None  # an ERROR event while the list is read
         self._events: list[JSON] = []  # once the list has ended
         self._listed = False
+        self._list_version = ""  # the version the list ended at
+        self.caught_up = False  # what came while the list was read is told: the rest comes in order
         self._ended = False
         self._error: Exception | None = None
         self._hangup = Hangup()
@@ -471,10 +477,10 @@ class _Pinned:
             self._waiting[key] = event
         return len(self._waiting) <= _PINNED_MAX and len(self._gone) <= _PINNED_GONE_MAX
 
-    def listed(self) -> None:
-        """The list has ended: what arrived until now came while it was read."""
+    def listed(self, version: str) -> None:
+        """The list has ended, at `version`: what arrived until now came while it was read."""
         with self._changed:
-            self._listed = True
+            self._listed, self._list_version = True, version
 
     def events(self) -> Iterator[JSON]:
         """Its events (see the class), then its failure, if it failed, raised."""
@@ -482,13 +488,17 @@ class _Pinned:
             self._listed = True
             waited = list(self._waiting.values())
             waited += ({"type": "DELETED", "object": self._stored(name, kept)} for name, kept in self._gone.items())
-            if self._version:  # the version of the last that waited, told or not
-                waited.append({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": self._version}}})
-            if self._failed is not None:
-                waited.append(self._failed)
+            # The version of the last that waited, told or not, or else the list's: the
+            # reflector has told everything up to it once this is read (`caught_up`).
+            end = self._version or self._list_version
+            caught_up = [{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": end}}}] if end else []
+            failed = [self._failed] if self._failed is not None else []
             self._waiting.clear()
             self._gone.clear()
         yield from waited
+        self.caught_up = True
+        yield from caught_up
+        yield from failed
         while True:
             with self._changed:
                 while not self._events and not self._ended:
