@@ -7,7 +7,8 @@ the ratio is taken over each two pairs in turn, one in each order (`ratio`). Eac
 made ready just before it runs and its namespace is gone before the next one is made ready:
 a case's workers alive beside another case's run would weigh on it, and unevenly. Idle floor
 workers cost nothing, but an SDK fleet keeps its watches and member Leases, settles its
-shards for a moment after its agents are ready, and has the operator beside it.
+shards for a moment after its agents are ready, and has the operator beside it. Each case's
+clock starts once what its setup set going is over (`Workers.settle`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from tasklease_dev.bench.space import create_tasks, namespace, namespace_config
 
 Results = dict[str, Any]
 _SAMPLE_S = 0.05  # how often a case reads the control plane's CPU
+# A case is let go once its processes and the control plane have used less than this share of
+# one CPU over the last `_QUIET_WINDOW_S` (an SDK fleet whose agents are ready still divides
+# its shards among the last to join, and the operator looks at every task once), or after
+# `_QUIET_MAX_S` regardless.
+_QUIET_SHARE, _QUIET_WINDOW_S, _QUIET_MAX_S = 0.2, 1.0, 60.0
 
 
 def percentiles(latencies: list[float]) -> dict[str, float]:
@@ -66,6 +72,22 @@ class Workers:
         except BaseException:
             self.kill()
             raise
+
+    def settle(self) -> float:
+        """Wait until the case is quiet (`_QUIET_SHARE`): what its setup set going is over
+        before its clock starts, as it is for a floor's idle workers. The seconds waited."""
+        watched = {**self.plane, **{f"worker-{i}": p.pid for i, p in enumerate(self.procs)}}
+        began = time.monotonic()
+        window = [(began, sum(process_cpu_s(watched).values()))]
+        while time.monotonic() - began < _QUIET_MAX_S:
+            time.sleep(_SAMPLE_S * 4)
+            window.append((time.monotonic(), sum(process_cpu_s(watched).values())))
+            while window[-1][0] - window[1][0] >= _QUIET_WINDOW_S:
+                window.pop(0)
+            elapsed = window[-1][0] - window[0][0]
+            if elapsed >= _QUIET_WINDOW_S and window[-1][1] - window[0][1] < _QUIET_SHARE * elapsed:
+                break
+        return time.monotonic() - began
 
     def kill(self) -> None:
         """Ours: a worker left waiting for `go` would wait forever."""
@@ -175,7 +197,8 @@ def _case(kubeconfig: Path, mode: str, *, workers: int, tasks: int, operator_on:
             beside["operator"] = proc.pid
         case = Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, beside=beside, queues=queues)
         stack.callback(case.kill)
-        return case.go()
+        settled = case.settle()
+        return {**case.go(), "settle_s": round(settled, 2)}
 
 
 def pairs(kubeconfig: Path, case: str, floor: str, *, count: int, workers: int, tasks: int,
