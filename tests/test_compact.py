@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasklease.agent.compact import compact, expand
+from tasklease.agent.compact import compact, expand, same_task
 from tasklease.protocol import TaskView
 
 pytestmark = pytest.mark.unit
@@ -46,6 +46,16 @@ def test_a_task_kept_compact_reads_back_as_the_same_view(uid: str, at: str, spec
                          "resourceVersion": "7", "labels": {"tasklease.dev/rank": "1000"}},
             "spec": spec, "status": status}
     assert expand(compact(task, queue=queue), name="t", namespace="ns", queue=queue) == TaskView.of(task)
+
+
+@settings(deadline=None)
+@given(uids, uids, specs, specs)
+def test_the_same_task_is_told_by_its_uid_alone(one: str, other: str, spec: dict[str, Any],
+                                              changed: dict[str, Any]) -> None:
+    def task(uid: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"uid": uid, "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": spec}
+    assert same_task(compact(task(one, spec)), compact(task(one, changed)))
+    assert same_task(compact(task(one, spec)), compact(task(other, spec))) == (one == other)
 
 
 @pytest.mark.parametrize("at", ["2026-01-01T00:00:00Z", "1970-01-01T00:00:00Z", "2026-01-01T00:00:00.5Z",

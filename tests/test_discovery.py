@@ -571,6 +571,25 @@ def test_a_lease_freed_otherwise_leaves_its_last_holder_a_peer(kube: Kube) -> No
     assert [t.name for t, _ in candidates] == [name] and division.ours == 0
 
 
+@pytest.mark.unit
+def test_a_task_made_again_under_its_name_is_judged_anew_though_told_as_one_event() -> None:
+    """A watch that waited out a list tells each name's last event only: the old task's DELETED
+    and the new one's ADDED arrive as one ADDED. What was taken of the old one must not hold
+    the new one back; a change of the same task keeps it."""
+    view = QueueView(_Clockless(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+
+    def task(uid: str, attempt: int = 0) -> dict[str, Any]:
+        return {"metadata": {"name": "reborn", "namespace": "ns", "uid": uid,
+                             "creationTimestamp": "2026-01-01T00:00:00Z"},
+                "spec": {"queue": "q"}, "status": {"attempt": attempt}}
+    view._on_task("ADDED", task("uid-1"))
+    view.mark_taken("reborn", None)  # claimed by creating its Lease
+    view._on_task("MODIFIED", {**task("uid-1"), "spec": {"queue": "q", "priority": 3}})
+    assert view.claimable_count() == 0  # the same task, still taken
+    view._on_task("ADDED", task("uid-2"))
+    assert view.claimable_count() == 1
+
+
 class _Clockless:
     """What a QueueView fed by hand reads of its Kube."""
 

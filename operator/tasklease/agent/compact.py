@@ -42,11 +42,8 @@ def compact(task: JSON, *, queue: str = "") -> bytes:
 
 def expand(data: bytes, *, name: str, namespace: str, queue: str = "") -> TaskView:
     """The view `compact(task, queue=queue)` was made from."""
-    size = data[0]
-    if size == _UUID:
-        uid, at = _text(data[1:17]), 17
-    else:
-        uid, at = data[1:1 + size].decode(), 1 + size
+    at = _uid_size(data)
+    uid = _text(data[1:at]) if data[0] == _UUID else data[1:at].decode()
     if data[at] == _SECONDS:
         created, at = _time(int.from_bytes(data[at + 1:at + 6], "big")), at + 6
     else:
@@ -59,6 +56,15 @@ def expand(data: bytes, *, name: str, namespace: str, queue: str = "") -> TaskVi
         spec.setdefault("queue", queue)
     return TaskView.of({"metadata": {"name": name, "namespace": namespace, "uid": uid, "creationTimestamp": created},
                         "spec": spec, "status": {"attempt": attempt, "phase": phase}})
+
+
+def same_task(a: bytes, b: bytes) -> bool:
+    """Were `a` and `b` compacted from the same task (the same uid), whatever else changed?"""
+    return a[:_uid_size(a)] == b[:_uid_size(b)]
+
+
+def _uid_size(data: bytes) -> int:
+    return 17 if data[0] == _UUID else 1 + data[0]
 
 
 def _uid(uid: str) -> bytes:

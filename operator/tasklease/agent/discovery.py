@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from tasklease.agent.candidates import CandidateIndex
-from tasklease.agent.compact import compact, expand
+from tasklease.agent.compact import compact, expand, same_task
 from tasklease.agent.division import SHARDS, Division, Ownership, divide, owned_weight, owner, viewers
 from tasklease.agent.taskwatch import TaskWatches
 from tasklease.api import errors, models
@@ -494,6 +494,11 @@ class QueueView:
             if view is None:
                 self._forget(name, lease=True)  # finished (it left the phase selector) or deleted
             else:
+                before = self._tasks.get(name)
+                if before is not None and not same_task(before, text):
+                    # Deleted and made again under its name, told as one event (a watch that
+                    # waited out a list keeps each name's last): what we knew of the old one goes.
+                    self._forget(name, lease=False)
                 self._tasks[name] = text
                 self._remember(name, view)
                 self._judge(name, self._now())
