@@ -53,8 +53,7 @@ class Membership:
         self._claimed_at = -math.inf  # our last claim (monotonic)
         self._claiming = False  # what our next write says
         self._said = False  # what our last write said
-        self._waits: dict[int, float] = {}  # claims waiting for a task now → since when (monotonic)
-        self._next_wait = 0
+        self._waits: list[float] = []  # since when each claim waiting for a task now waits (monotonic)
         self._said_waiting = False  # what our last write said
         self._wake = threading.Condition()
         self._stopping = False
@@ -91,15 +90,15 @@ class Membership:
         """A claim of ours waits for a task, until the returned function is called: once it has
         waited `WAITING_S`, our peers hear that we take our shards' tasks as they come, and need
         not read them (`Agent._beyond`)."""
+        since = time.monotonic()
         with self._wake:
-            key, self._next_wait = self._next_wait, self._next_wait + 1
-            self._waits[key] = time.monotonic()
+            self._waits.append(since)
             if len(self._waits) == 1 and not self._said_waiting:
                 self._wake.notify()  # to write when it has waited long enough
 
         def ended() -> None:
             with self._wake:
-                self._waits.pop(key, None)
+                self._waits.remove(since)  # an equal time of another wait serves as well
         return ended
 
     def held_back(self) -> None:
@@ -143,7 +142,7 @@ class Membership:
         else:
             due = last + DURATION_S / 3 - now
         if self._waits and not self._said_waiting:
-            due = min(due, min(self._waits.values()) + WAITING_S - now)
+            due = min(due, min(self._waits) + WAITING_S - now)
         return max(due, not_before - now)
 
     def _next(self, *, leaving: bool) -> tuple[list[str], bool, bool]:
@@ -153,7 +152,7 @@ class Membership:
         are many; none while we claim (our peers leave our share to us)."""
         now = time.monotonic()
         self._claiming = self._claiming and not leaving and now - self._claimed_at < QUIET_S
-        waiting = not leaving and any(now - since >= WAITING_S for since in self._waits.values())
+        waiting = not leaving and any(now - since >= WAITING_S for since in self._waits)
         if not (self._urgent or not self._claiming or len(self._untold) >= TELL_MAX):
             return [], True, waiting
         told, self._untold, self._urgent = list(self._untold), {}, False

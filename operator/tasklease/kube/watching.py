@@ -172,6 +172,8 @@ class Reflector:
     def _list_and_watch(self) -> None:
         """A list when there is no version to resume from (a streaming one if it can), then the
         watch, until its stream ends."""
+        if not self._rv:
+            self.delivered = ""  # until the list ends: see `_listed`
         if not self._rv and self.watch_list:
             try:
                 if self._stream() or self._stop.is_set():
@@ -199,7 +201,6 @@ class Reflector:
         return name in (self.known() if self.known is not None else self.store)
 
     def _relist(self) -> None:
-        self.delivered = ""
         unlisted = self._unlisted()
         since, start = "", ""
         retry = Backoff(base_s=_RETRY_BASE_S, cap_s=_RETRY_CAP_S)
@@ -252,7 +253,6 @@ class Reflector:
         """A streaming list, the watch that follows it opened just before (`_Pinned`). Whether
         the list ended: until the bookmark that ends it, a broken stream is a list to start
         again (`_rv` stays empty), while the watch opened before it goes on."""
-        self.delivered = ""
         unlisted = self._unlisted()
         listed = 0
         version = self._pin()
