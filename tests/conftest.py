@@ -25,7 +25,7 @@ import yaml
 
 from tasklease.api import errors
 from tasklease.kube import LEASES, NAMESPACES, PODS, TASKQUEUES, TASKS, Kube, Resource
-from tasklease.protocol import record
+from tasklease.protocol import labels, record
 from tasklease_dev import binaries
 from tasklease_dev.cluster import LocalCluster, audit_files, free_port, namespaced_kubeconfig
 from tasklease_dev.crds import apply_crds
@@ -126,9 +126,10 @@ def refusal(write: Callable[[], Any]) -> str:
 
 
 def make_task(kube: Kube, name: str, *, queue: str = "q", **spec: Any) -> dict[str, Any]:
+    """Task `name`, labelled as the SDK and the CLI label what they create (`labels.labelled`)."""
     body = {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
             "spec": {"queue": queue, **spec}}
-    return kube.create(TASKS, body)
+    return kube.create(TASKS, labels.labelled(body))
 
 
 def make_queue(kube: Kube, name: str, **spec: Any) -> dict[str, Any]:

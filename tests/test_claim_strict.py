@@ -8,15 +8,17 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+
 from conftest import Cluster, make_task
 from tasklease.agent import Agent, ClaimedTask, Identity
-from tasklease.agent.producer import Producer
 from tasklease.agent.discovery import task_selector
-from tasklease.agent.ranked import LABEL_RANK, best_first, rank
+from tasklease.agent.producer import Producer
+from tasklease.agent.ranked import best_first
 from tasklease.api import errors, models
 from tasklease.api.timestamps import format_time, now_utc
 from tasklease.kube import LEASES, TASKS, Kube
 from tasklease.protocol import record
+from tasklease.protocol.labels import LABEL_RANK, rank
 
 
 def _agent(kube: Kube) -> Agent:
@@ -42,7 +44,8 @@ def test_a_task_created_without_the_rank_label_still_goes_first_by_its_priority(
     producer = Producer(kube)
     for i in range(25):
         producer.submit(f"a-{i:02d}", models.TaskSpec(queue="loose", priority=5))
-    make_task(kube, "by-hand", queue="loose", priority=7)  # as kubectl apply would: no label
+    kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": "by-hand"},
+                        "spec": {"queue": "loose", "priority": 7}})  # as kubectl apply would: no label
     assert LABEL_RANK not in (kube.get(TASKS, "by-hand")["metadata"].get("labels") or {})
     agent = _agent(kube)
     first = agent.claim_once("loose")

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import (NEVER_SCHEDULED, ROOT, Cluster, Operator, Process, audit_lines, audit_since, make_task,
                       tasklease_cmd, wait_for)
-from tasklease.protocol import record
+from tasklease.protocol import labels, record
 from tasklease.kube import LEASES, PODS, TASKS, Kube
 
 NO_BACKOFF = {"initialSeconds": 0, "maxSeconds": 0}
@@ -365,3 +365,19 @@ def test_a_waiting_task_reads_pending_without_a_status_write(
     wait_for(lambda: op.get("/readyz")[0] == 200, timeout=120, interval=0.05, message="the operator to be ready")
     # Ready means every Task was reconciled: this one was, and needed no write.
     assert kube.get(TASKS, "waiting")["metadata"]["resourceVersion"] == waiting["metadata"]["resourceVersion"]
+
+
+def test_a_task_made_without_labels_is_labelled_and_moves_when_its_priority_changes(
+        kube: Kube, operator: Operator) -> None:
+    """`kubectl apply` of a bare Task: without a shard label it would reach every agent's watch.
+    A priority edited later moves it to its new band's watches (its rank label)."""
+    kube.create(TASKS, {"apiVersion": "tasklease.dev/v1alpha1", "kind": "Task", "metadata": {"name": "bare"},
+                        "spec": {"queue": "bare"}})
+
+    def labels_of() -> dict[str, str]:
+        return dict(kube.get(TASKS, "bare")["metadata"].get("labels") or {})
+    wanted = {labels.LABEL_SHARD: str(labels.shard_of("bare")), labels.LABEL_RANK: labels.rank(0)}
+    wait_for(lambda: labels_of() == wanted, message="the operator to label the task")
+    kube.merge_patch(TASKS, "bare", {"spec": {"priority": 40}})
+    wait_for(lambda: labels_of() == {**wanted, labels.LABEL_RANK: labels.rank(40)},
+             message="the operator to label its new rank")

@@ -16,7 +16,7 @@ pytest.importorskip("prometheus_client")  # the operator's extra: not on the SDK
 from fake_kube import FakeKube  # noqa: E402
 from tasklease.kube import JSON, LEASES, TASKS, Resource  # noqa: E402
 from tasklease.operator.reconciler import Reconciler  # noqa: E402
-from tasklease.protocol import LeaseRecord, record  # noqa: E402
+from tasklease.protocol import LeaseRecord, labels, record  # noqa: E402
 from fake_clock import Clock
 
 pytestmark = pytest.mark.unit
@@ -304,3 +304,53 @@ def test_seeding_takes_in_the_listed_leases_before_any_task_is_judged() -> None:
     assert r.store.entry(KEY)[1] is not None  # before the Tasks are listed and queued
     until(lambda: r.store.entry(KEY)[0] is not None and r.queue.queued(KEY), "the listed Task taken in and queued")
     assert r.store.entry(KEY)[1] is not None and kube.task_lists == 1
+
+
+# -- labels ----------------------------------------------------------------------------------
+
+
+def _label_writes(kube: FakeKube) -> list[JSON]:
+    return [body for verb, plural, body in kube.writes if (verb, plural) == ("patch", "tasks")]
+
+
+def test_a_task_made_without_labels_is_labelled_and_projected_in_one_reconcile() -> None:
+    """`kubectl apply` of a bare Task: without a shard it would reach every agent's watch.
+    The status write that follows is conditional on the labelled version, not refused."""
+    kube = FakeKube()
+    r = reconciler(kube, Clock(1000.0))
+    r.on_task("ADDED", kube.put(TASKS, task(priority=7)))
+    event = kube.put(LEASES, held_lease())
+    r.on_lease("ADDED", event, record.read(event))
+    r.reconcile(KEY)
+    assert _label_writes(kube) == [{"metadata": {"labels": {labels.LABEL_SHARD: str(labels.shard_of("t")),
+                                                            labels.LABEL_RANK: labels.rank(7)}}}]
+    stored = kube.get_or_none(TASKS, "t", namespace="ns")
+    assert stored is not None and stored["status"]["phase"] == "Running"  # projected after the labels
+    r.on_task("MODIFIED", stored)
+    r.reconcile(KEY)
+    assert len(_label_writes(kube)) == 1  # labelled once
+
+
+def test_a_priority_edited_after_creation_gets_its_new_rank_and_keeps_its_shard() -> None:
+    kube = FakeKube()
+    r = reconciler(kube, Clock(1000.0))
+    body = labels.labelled(task())
+    body["metadata"]["labels"][labels.LABEL_SHARD] = "5"  # a valid shard, chosen by its producer
+    r.on_task("ADDED", kube.put(TASKS, body))
+    r.reconcile(KEY)
+    assert _label_writes(kube) == []  # labelled as producers do: nothing to write
+    body["spec"]["priority"] = 50
+    r.on_task("MODIFIED", kube.put(TASKS, body))
+    r.reconcile(KEY)
+    assert _label_writes(kube) == [{"metadata": {"labels": {labels.LABEL_RANK: labels.rank(50)}}}]
+
+
+def test_a_finished_task_without_labels_is_left_unlabelled() -> None:
+    """No agent watches it any more: after an upgrade, only the open tasks made before are labelled."""
+    kube = FakeKube()
+    r = reconciler(kube, Clock(1000.0))
+    body = task()
+    body["status"] = {"phase": "Succeeded", "reason": "Completed", "attempt": 1}
+    r.on_task("ADDED", kube.put(TASKS, body))
+    r.reconcile(KEY)
+    assert _label_writes(kube) == []

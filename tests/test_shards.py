@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasklease.agent.division import LABEL_SHARD, SHARDS, VIEWERS, shard_label, shard_of, viewers
-from tasklease.agent.ranked import DEFAULT_RANK, LABEL_RANK, labelled
+from tasklease.agent.division import VIEWERS, viewers
 from tasklease.agent.taskwatch import TaskWatches
 from tasklease.api import errors
 from tasklease.kube import JSON
+from tasklease.protocol.labels import (DEFAULT_RANK, LABEL_RANK, LABEL_SHARD, SHARDS, labelled, relabelled, shard_label,
+                                       shard_of)
 
 pytestmark = pytest.mark.unit
 _PEERS = st.frozensets(st.text("abcdefgh/", min_size=1, max_size=6), min_size=1, max_size=24)
@@ -173,3 +174,13 @@ def test_a_watch_still_listing_keeps_shards_of_others_until_they_are_most_of_it(
     first = _key(watches, 0)
     watches.view({0, 1})  # no version to hand over from yet: two of three shards are still ours
     assert _key(watches, 0) == first and watches._listing[first] == frozenset({0, 1, 2})
+
+
+def test_relabelled_names_only_the_labels_a_stored_task_lacks_or_has_wrong() -> None:
+    def stored(labels: dict[str, str], priority: int = 0) -> JSON:
+        return {"metadata": {"name": "t-1", "labels": labels}, "spec": {"queue": "q", "priority": priority}}
+    assert relabelled(labelled(stored({}))) == {}  # as producers label it
+    assert relabelled(stored({})) == {LABEL_SHARD: str(shard_of("t-1")), LABEL_RANK: str(DEFAULT_RANK)}
+    assert relabelled(stored({LABEL_SHARD: "99", LABEL_RANK: str(DEFAULT_RANK)})) == {LABEL_SHARD: str(shard_of("t-1"))}
+    assert relabelled(stored({LABEL_SHARD: "7", LABEL_RANK: str(DEFAULT_RANK)}, priority=3)) == {
+        LABEL_RANK: str(DEFAULT_RANK + 3)}  # a valid shard stays, even if not the name's

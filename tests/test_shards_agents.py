@@ -11,10 +11,10 @@ import pytest
 from conftest import wait_for
 from tasklease.agent import Agent, Identity
 from tasklease.agent.discovery import QueueView
-from tasklease.agent.division import LABEL_SHARD, shard_of, viewers
-from tasklease.agent.ranked import labelled
+from tasklease.agent.division import viewers
 from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.protocol import record
+from tasklease.protocol.labels import LABEL_SHARD, labelled, shard_of
 
 
 def _create(kube: Kube, name: str, queue: str, labels: dict[str, str] | None = None, **spec: object) -> JSON:

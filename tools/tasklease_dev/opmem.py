@@ -67,7 +67,9 @@ def _uid(i: int, kind: str) -> str:
 
 
 def _task(i: int, start: datetime) -> dict[str, Any]:
-    task = task_json(i, start)
+    """Task `i`, labelled as producers label it (the operator would otherwise label it first)."""
+    from tasklease.protocol import labels
+    task = labels.labelled(task_json(i, start))
     task["metadata"]["uid"] = _uid(i, "Task")
     return task
 

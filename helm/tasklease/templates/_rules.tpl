@@ -8,6 +8,7 @@
   - get
   - list
   - watch
+  - patch
   - delete
 - apiGroups:
   - tasklease.dev

@@ -31,12 +31,13 @@ from typing import TypeVar
 
 from tasklease.agent.candidates import CandidateIndex
 from tasklease.agent.compact import compact, expand, same_task
-from tasklease.agent.division import SHARDS, Division, Ownership, divide, owned_weight, owner, viewers
+from tasklease.agent.division import Division, Ownership, divide, owned_weight, owner, viewers
 from tasklease.agent.taskwatch import TaskWatches
 from tasklease.api import errors, models
 from tasklease.kube import JSON, LEASES, Kube
 from tasklease.kube.watching import Listener, Reflector
 from tasklease.protocol import LeaseRecord, TaskView, members, record
+from tasklease.protocol.labels import SHARDS
 from tasklease.protocol.rules import Blocker, blocker
 
 Candidate = tuple[TaskView, LeaseRecord | None]

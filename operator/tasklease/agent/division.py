@@ -5,7 +5,7 @@ peers never race for a task while each has one of its own. A task is taken from 
 (stolen) only by an agent that has none, busy owners first, the task's deputy first
 (`divide`).
 
-A task labelled with a shard (`LABEL_SHARD`, see `ranked.labelled`) is divided among its
+A task labelled with a shard (`protocol.labels`) is divided among its
 shard's viewers only (`viewers`): the two agents that watch it. Every other agent's watch
 leaves it out, so what the operator writes to it wakes two agents, not the whole queue.
 """
@@ -16,12 +16,12 @@ import enum
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-LABEL_SHARD: Final = "tasklease.dev/shard"
-SHARDS: Final = 64  # part of the protocol: producers label with it, agents watch by it
+from tasklease.protocol.labels import SHARDS
+
 VIEWERS: Final = 2  # per shard: its tasks' owner and deputy
 
 
@@ -29,18 +29,6 @@ def weight(holder: str, name: str) -> float:
     """`holder`'s rendezvous weight for task `name`, in [0, 1): the same on every look."""
     digest = hashlib.blake2b(f"{holder}\0{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
-
-
-def shard_of(name: str) -> int:
-    """The shard a producer labels a task named `name` with (the same on every create)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") % SHARDS
-
-
-def shard_label(labels: Mapping[str, str] | None) -> int | None:
-    """The shard `labels` put a task in; None for none or a value that is not one (such a
-    task is watched by every agent, as one created without the label)."""
-    value = (labels or {}).get(LABEL_SHARD, "")
-    return int(value) if value.isdigit() and int(value) < SHARDS and str(int(value)) == value else None
 
 
 def viewers(peers: Collection[str]) -> tuple[frozenset[str], ...]:

@@ -19,10 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasklease.agent.ranked import labelled
 from tasklease.api import errors, models
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.protocol import Protocol, TaskView
+from tasklease.protocol.labels import labelled
 
 _WATCH_S = 60
 

@@ -2,57 +2,30 @@
 
 The one-shot claim (`tasklease claim`) keeps no index: it must learn the highest band from the
 API server. Field selectors only compare for equality, but label selectors compare integers
-(`key>N`, `key<N`) and select objects without a key (`!key`), so producers label each Task
-with its rank (`LABEL_RANK`: the priority plus `OFFSET`, as a label value cannot be negative).
-The label is a hint and nothing more: a task without it (created by hand) is read whole and
-ranked by its `spec.priority`, tasks are ordered by the `spec.priority` of the objects read,
-and the claim checks the Task and its Lease as always. A task whose label is no integer is
-left to the watching agents; a priority changed after creation keeps the rank it was created
-with, for this path only.
+(`key>N`, `key<N`) and select objects without a key (`!key`), so each Task is labelled with
+its rank (`protocol.labels`: the priority plus an offset, as a label value cannot be
+negative). The label is a hint and nothing more: a task without it (created by hand, before
+the operator labels it) is read whole and ranked by its `spec.priority`, tasks are ordered
+by the `spec.priority` of the objects read, and the claim checks the Task and its Lease as
+always. A task whose label is no integer is left to the watching agents; a priority changed
+after creation keeps the rank it was created with until the operator labels it again.
 """
 
 from __future__ import annotations
 
 import functools
-import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Final
 
-from tasklease.agent.division import LABEL_SHARD, SHARDS, shard_of
 from tasklease.api import models
 from tasklease.kube import JSON, TASKS, Kube
+from tasklease.protocol.labels import DEFAULT_PRIORITY, DEFAULT_RANK, LABEL_RANK, OFFSET
 
-LABEL_RANK: Final = "tasklease.dev/rank"
-_PRIORITY: Final = models.TaskSpec.model_json_schema(by_alias=True)["properties"]["priority"]
-OFFSET: Final = -int(_PRIORITY["minimum"])
-_CAP: Final = int(_PRIORITY["maximum"]) + OFFSET + 1  # above every rank
-DEFAULT_PRIORITY: Final = int(_PRIORITY["default"])
-DEFAULT_RANK: Final = DEFAULT_PRIORITY + OFFSET
+_CAP: Final = int(models.TaskSpec.model_json_schema(by_alias=True)["properties"]["priority"]["maximum"]) + OFFSET + 1
 # Not older than the first revision: whatever the watch cache holds now, at once, a page at a
 # time (`resourceVersion=0` would serve the same, but every selected Task in one answer).
 ANY_VERSION: Final = "1"
-
-
-def rank(priority: int) -> str:
-    """The label value of a task of `priority`."""
-    return str(priority + OFFSET)
-
-
-def labelled(task: JSON) -> JSON:
-    """`task` (a body to create) with its rank label and its shard label (`division`: which
-    agents watch it), unless it has them already. A task created without a name (the API
-    server generates one) is given a shard at random: any shard is as good, once."""
-    meta = task.get("metadata") or {}
-    labels = dict(meta.get("labels") or {})
-    if LABEL_SHARD not in labels:
-        name = meta.get("name")
-        labels[LABEL_SHARD] = str(shard_of(name) if isinstance(name, str) else random.randrange(SHARDS))
-    priority = (task.get("spec") or {}).get("priority", DEFAULT_PRIORITY)
-    if LABEL_RANK not in labels and isinstance(priority, int) and not isinstance(priority, bool):
-        # Else the API server refuses it with a clear message; not ours to guess.
-        labels[LABEL_RANK] = rank(priority)
-    return {**task, "metadata": {**meta, "labels": labels}}
 
 
 def best_key(task: JSON) -> tuple[int, str, str]:

@@ -38,12 +38,13 @@ from tasklease.agent.division import Division, Owner, weight
 from tasklease.agent.gate import Gates, OneShotAdmission, queue_controls
 from tasklease.agent.identity import Identity, container_of, instance_gone
 from tasklease.agent.membership import Membership, Writes
-from tasklease.agent.ranked import DEFAULT_PRIORITY, best_first
+from tasklease.agent.ranked import best_first
 from tasklease.agent.settings import AgentSettings
 from tasklease.agent.worker import Handler, Worker
 from tasklease.api import errors, models
 from tasklease.kube import JSON, LEASES, Kube
 from tasklease.protocol import Held, Protocol, TaskView, members, record
+from tasklease.protocol.labels import DEFAULT_PRIORITY
 from tasklease.protocol.members import MemberLease
 
 __all__ = ["Agent", "AgentSettings", "ClaimedTask", "Identity", "instance_gone"]

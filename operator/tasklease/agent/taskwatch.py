@@ -1,6 +1,6 @@
 """The watches of one queue's open Tasks that an agent keeps: the shards it views, and the tasks no shard holds.
 
-Most tasks carry the default priority's rank and a shard (`ranked.labelled`): an agent watches
+Most tasks carry the default priority's rank and a shard (`protocol.labels`): an agent watches
 those of the shards it views only (`division.viewers`), so a write to one of them reaches its
 two viewers, not every agent of the queue. Every agent watches the rest: the tasks of another
 priority (strict priority needs every band above the default one in view) and those without a
@@ -24,10 +24,9 @@ import time
 from collections.abc import Callable, Collection
 from typing import Final
 
-from tasklease.agent.division import LABEL_SHARD, SHARDS, shard_label
-from tasklease.agent.ranked import DEFAULT_RANK, LABEL_RANK
 from tasklease.kube import JSON, TASKS, Kube
 from tasklease.kube.watching import Listener, Reflector
+from tasklease.protocol.labels import DEFAULT_RANK, LABEL_RANK, LABEL_SHARD, SHARDS, shard_label
 
 _WIDE: Final = -1  # the watch of the other bands
 _LOOSE: Final = -2  # the watch of the default band without a valid shard

@@ -17,8 +17,9 @@ from tasklease.api import models, queues
 Rule = dict[str, Any]
 
 OPERATOR: Final[list[Rule]] = [
-    # delete: finished Tasks past their ttlSecondsAfterFinished.
-    {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch", "delete"]},
+    # patch: a Task's shard and rank labels (`protocol.labels`); delete: finished Tasks past
+    # their ttlSecondsAfterFinished.
+    {"apiGroups": [models.GROUP], "resources": [models.PLURAL], "verbs": ["get", "list", "watch", "patch", "delete"]},
     {"apiGroups": [models.GROUP], "resources": [f"{models.PLURAL}/status"], "verbs": ["get", "update"]},
     # TaskQueues: read their controls, write their status.
     {"apiGroups": [models.GROUP], "resources": [queues.QUEUE_PLURAL], "verbs": ["get", "list", "watch"]},

@@ -11,13 +11,13 @@ from typing import Any
 import yaml
 
 from tasklease.agent.producer import same_spec
-from tasklease.agent.ranked import labelled
 from tasklease.api import errors, models
 from tasklease.cli import output
 from tasklease.cli.common import first_line, kube_of, read_text
 from tasklease.kube import EVENTS, TASKS, Kube
 from tasklease.kube.watching import Reflector
 from tasklease.protocol import Protocol, TaskView
+from tasklease.protocol.labels import labelled
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -278,6 +278,11 @@ class Reconciler:
         except ValidationError as exc:
             self._report_unreadable(key, task, exc)
             return
+        if entry.relabel and view.status_phase not in models.TERMINAL_PHASES:  # a finished one is watched no more
+            entry = self._relabel(key, entry)
+            if entry is None:
+                return
+            task = entry.json()
         if rec is None and (_claimed_before(task) or self.store.lease_went(key)):
             rec = self._find_unlabelled(task, view)
         if rec is not None and rec.malformed:
@@ -299,6 +304,21 @@ class Reconciler:
         rec = self._act(view, rec, task)
         self._project(key, entry, task, view, rec)
         self._clean_up_or_schedule(key, view, rec)
+
+    def _relabel(self, key: Key, entry: SlimTask) -> SlimTask | None:
+        """Label the Task as producers do (`labels.relabelled`): made by hand, or its priority
+        changed since, it would reach every agent of its queue, or stay in a band it left.
+        Returns the Task as the store now has it; None when it is gone."""
+        assert entry.relabel
+        log.info("task %s/%s: labelling it %s", key[0], key[1],
+                 ", ".join(f"{k}={v}" for k, v in sorted(entry.relabel.items())))
+        try:
+            written = self.kube.merge_patch(TASKS, key[1], {"metadata": {"labels": entry.relabel}}, namespace=key[0])
+        except errors.NotFound:
+            self.store.task_gone(key, entry)
+            return None
+        self.store.wrote_task(key, entry, written)
+        return self.store.entry(key)[0]
 
     def _find_unlabelled(self, task: JSON, view: TaskView) -> LeaseRecord | None:
         """The Lease of a task that was claimed, or whose Lease left our picture, but which our

@@ -28,7 +28,7 @@ from typing import Generic, Protocol, TypeVar
 from tasklease.api import models
 from tasklease.kube import JSON
 from tasklease.operator import projection
-from tasklease.protocol import LeaseRecord, record
+from tasklease.protocol import LeaseRecord, labels, record
 
 # What a decision or a status write needs of a Task's metadata; the rest (managedFields,
 # annotations) stays with the API server.
@@ -114,6 +114,7 @@ class SlimTask:
     packed: bytes = b""  # the rest deflated, once cool
     projected: tuple[str, str] | None = None  # (queue, phase) as last projected, for the gauges
     key: tuple[str, str] | None = None  # (namespace, name): the store's one tuple for the task and its Lease
+    relabel: dict[str, str] | None = None  # the labels it lacks or has wrong (`labels.relabelled`), if any
 
     def json(self) -> JSON:
         """The Task as kept: while warm, the one dict every reader shares (read it, never change it)."""
@@ -139,7 +140,8 @@ def slim(task: JSON) -> SlimTask:
     # Interned: thousands of Tasks share a queue and a creation second.
     entry = SlimTask(queue=sys.intern(str(spec.get("queue", ""))),
                      created=sys.intern(str(meta.get("creationTimestamp", ""))),
-                     version=version(str(meta.get("resourceVersion", ""))), warm=kept)
+                     version=version(str(meta.get("resourceVersion", ""))), warm=kept,
+                     relabel=labels.relabelled(task) or None)
     if "payload" in spec:
         entry.cool()  # nested too deeply, and perhaps huge: never kept as read
     return entry

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tasklease.agent.ranked import labelled
 from tasklease.kube import LEASES, NAMESPACES, TASKS, Kube
 from tasklease.protocol import record
+from tasklease.protocol.labels import labelled
 from tasklease_dev.cluster import namespaced_kubeconfig
 
 T = TypeVar("T")
