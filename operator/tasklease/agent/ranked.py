@@ -18,11 +18,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Final
 
-from tasklease.api import models
 from tasklease.kube import JSON, TASKS, Kube
-from tasklease.protocol.labels import DEFAULT_PRIORITY, DEFAULT_RANK, LABEL_RANK, OFFSET
+from tasklease.protocol.labels import DEFAULT_PRIORITY, DEFAULT_RANK, LABEL_RANK, OFFSET, TOP_RANK
 
-_CAP: Final = int(models.TaskSpec.model_json_schema(by_alias=True)["properties"]["priority"]["maximum"]) + OFFSET + 1
+_CAP: Final = TOP_RANK + 1  # above every rank
 # Not older than the first revision: whatever the watch cache holds now, at once, a page at a
 # time (`resourceVersion=0` would serve the same, but every selected Task in one answer).
 ANY_VERSION: Final = "1"

@@ -26,6 +26,7 @@ _PRIORITY: Final = models.TaskSpec.model_json_schema(by_alias=True)["properties"
 OFFSET: Final = -int(_PRIORITY["minimum"])
 DEFAULT_PRIORITY: Final = int(_PRIORITY["default"])
 DEFAULT_RANK: Final = DEFAULT_PRIORITY + OFFSET
+TOP_RANK: Final = int(_PRIORITY["maximum"]) + OFFSET  # the highest priority's
 
 
 def shard_of(name: str) -> int:
