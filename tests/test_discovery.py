@@ -7,6 +7,7 @@ import functools
 import random
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -258,10 +259,10 @@ def test_a_thief_leaves_a_new_task_to_its_owner_until_it_could_have_been_told_ta
     clock = [100.0]
     view = QueueView(kube, namespace="ns", queue="q", clock=lambda: clock[0])  # fed by hand: never started
     joined: list[str] = []
-    view.join_listeners.append(joined.append)
+    view.peer_listeners.append(joined.append)
     view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x")},
                               "spec": {"holderIdentity": "peer/x"}})
-    assert joined == ["peer/x"]  # our member Lease's thread hears of it (`Membership.joined`)
+    assert joined == ["peer/x"]  # our member Lease's thread hears of it (`Membership.peers_changed`)
     everyone = ["peer/x", "me/x"]
     theirs = [n for n in (f"t-{i}" for i in range(50)) if owner(everyone, n)[1] == "peer/x"][:3]
     mine = next(n for n in (f"m-{i}" for i in range(50)) if owner(everyone, n)[1] == "me/x")
@@ -445,7 +446,7 @@ def test_a_claiming_member_tells_what_it_took_at_once_when_a_peer_joins(kube: Ku
     with _member_heard(kube, "joins", "old/x", 2) as (member, said):
         member.took("j-1", created=True, stolen=False)
         member.took("j-2", created=True, stolen=False)
-        member.joined("new/x")
+        member.peers_changed("new/x")
         wait_for(lambda: any(m.took for m in said), message="the claims told")
         first = next(m for m in said if m.took)
         # Told while claiming (`QUIET_S` had not passed): the join's write, not the stop's.
@@ -588,6 +589,68 @@ def test_a_task_made_again_under_its_name_is_judged_anew_though_told_as_one_even
     assert view.claimable_count() == 0  # the same task, still taken
     view._on_task("ADDED", task("uid-2"))
     assert view.claimable_count() == 1
+
+
+@pytest.mark.unit
+def test_a_take_learnt_while_its_task_is_not_ours_to_view_holds_when_it_comes_to_us() -> None:
+    """Without the operator's projection a taken task stays listed open: a shard that comes to
+    us must not bring back as claimable what its viewers told taken while we did not view it,
+    nor what we took before it left us. A task made after the tell is another."""
+    view = QueueView(_Clockless(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+
+    def task(name: str, created: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "creationTimestamp": created},
+                "spec": {"queue": "q"}}
+    view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x"),
+                                           "annotations": {members.ANN_TOOK: '["told", "reborn"]'}},
+                              "spec": {"holderIdentity": "peer/x"}})
+    view._on_task("ADDED", task("mine"))
+    view.mark_taken("mine", None)  # claimed by creating its Lease
+    view._on_dropped(["mine"])  # its shard went to others
+    assert view.claimable_count() == 0
+    read = [TaskView.of(task(name)) for name in ("told", "mine", "open")]  # read by a claim before its list ends
+    assert [t.name for t in view.claimable(read, now_utc())] == ["open"]
+    for name in ("told", "mine", "open"):  # the shards come (back) to us, listed
+        view._on_task("ADDED", task(name))
+    view._on_task("ADDED", task("reborn", created="2999-01-01T00:00:00Z"))  # made again since
+    view._on_member("DELETED", {"metadata": {"name": members.lease_name("q", "peer/x")}, "spec": {}})
+    assert sorted(t.name for t, _ in view.choose("me/x", now_utc(), window=8)[0]) == ["open", "reborn"]
+
+
+@pytest.mark.unit
+def test_a_task_that_came_to_us_from_a_claiming_peer_waits_until_it_tells_or_a_moment_passes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the members change, tasks move between agents. Without the operator's projection,
+    one that moved from a claiming peer may be one it took untold: it is left to that peer
+    until the peer writes its member Lease (it tells at once) or `_MOVED_S` passes (it had
+    nothing to tell). What came from a peer that does not claim is ours at once."""
+    view = QueueView(_Clockless(), namespace="ns", queue="q", holder="me/x")  # type: ignore[arg-type]
+    monkeypatch.setattr(view.task_watch, "start", lambda shards: None)  # fed by hand below
+
+    def said(holder: str, claiming: str, took: str = "[]") -> dict[str, Any]:
+        return {"metadata": {"name": members.lease_name("q", holder),
+                             "annotations": {members.ANN_TOOK: took, members.ANN_CLAIMING: claiming}},
+                "spec": {"holderIdentity": holder}}
+
+    def task(name: str) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
+                             "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"queue": "q"}}
+    for holder, claiming in (("a/x", "true"), ("c/x", "true"), ("b/x", "false")):
+        view._on_member("ADDED", said(holder, claiming))
+    before, after = ["a/x", "b/x", "c/x"], ["a/x", "b/x", "c/x", "me/x"]
+    came = [n for n in (f"t-{i}" for i in range(400)) if owner(after, n)[1] == "me/x"]
+    from_a, from_b, from_c = ([n for n in came if owner(before, n)[1] == p][:2] for p in before)
+    view.start_tasks()  # we join: what is ours was theirs
+    for name in from_a + from_b + from_c:
+        view._on_task("ADDED", task(name))
+    now = now_utc()
+
+    def mine(at: Any) -> list[str]:
+        return sorted(t.name for t, _ in view.choose("me/x", at, window=64)[0])
+    assert mine(now) == sorted(from_b)
+    view._on_member("MODIFIED", said("a/x", "true", took=f'["{from_a[0]}"]'))  # a tells
+    assert mine(now) == sorted(from_b + from_a[1:])
+    assert mine(now + timedelta(seconds=discovery._MOVED_S)) == sorted(from_b + from_a[1:] + from_c)
 
 
 class _Clockless:

@@ -34,6 +34,7 @@ from tasklease.agent.compact import compact, expand, same_task
 from tasklease.agent.division import Division, Ownership, divide, owned_weight, owner, viewers
 from tasklease.agent.taskwatch import TaskWatches
 from tasklease.api import errors, models
+from tasklease.api.timestamps import parse_time
 from tasklease.kube import JSON, LEASES, Kube
 from tasklease.kube.watching import Listener, Reflector
 from tasklease.protocol import LeaseRecord, TaskView, members, record
@@ -52,6 +53,11 @@ _EXPIRED = "Expired"  # the outcome of an attempt whose holder the operator foun
 _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
+_UNHELD_KEPT = 8192  # takes remembered of tasks we do not hold (see `QueueView._unheld`)
+# A task that came to us when the members changed, from a peer that is claiming, may be one
+# it took untold: it is left to that peer until it writes its member Lease (it tells at once,
+# `Membership.peers_changed`), or this long after the last change (it had nothing to tell).
+_MOVED_S = 0.5
 # Every agent of a queue reads every event of its Tasks: one that arrives after a quiet spell
 # is read at once, the ones close behind it, each at most this late, together (`Kube.watch`).
 # A claim made on older news may lose a race (each is checked against the task's Lease); a
@@ -82,6 +88,18 @@ def lease_selector(queue: str) -> str:
     """Free Leases only: a Lease that stops matching (claimed, closed, deleted) arrives as
     DELETED, with its previous content; for an agent all three mean "not claimable"."""
     return f"{record.LABEL_QUEUE}={queue},{record.LABEL_STATE}={record.FREE}"
+
+
+@dataclass
+class _Moved:
+    """How the tasks were divided before the members changed (`QueueView._divide`), while
+    what moved to us may still be a claiming peer's, taken untold."""
+
+    peers: frozenset[str]
+    viewers: tuple[frozenset[str], ...]
+    until: datetime  # `_MOVED_S` after the last change
+    heard: set[str]  # peers that wrote their member Lease since: they told what they took
+    held: set[str]  # peers under whom we parked a task that came to us
 
 
 @dataclass(frozen=True)
@@ -137,6 +155,11 @@ class QueueView:
         # we knew then ("" for none): not claimable until their Lease is seen free in another version.
         self._taken: dict[str, str] = {}
         self._pruned = False  # `_taken` kept only what the first list holds
+        # Takes of tasks we do not hold (of shards others view, or not listed yet), as `_taken`
+        # would have them, and when we learnt of them: a shard that comes to us brings its
+        # tasks listed open, and without the operator's projection a task taken untold by us
+        # looks claimable. The oldest are forgotten (a race lost, no rule).
+        self._unheld: OrderedDict[str, tuple[str, datetime]] = OrderedDict()
         self._tasks_started = False
         self._index = CandidateIndex()
         self._fresh: OrderedDict[str, float] = OrderedDict()  # see _RIPE_S: name → since when
@@ -146,6 +169,7 @@ class QueueView:
         self._ours: dict[str, float | None] = {}  # name → our weight if ours among `_owners_of`
         self._owners_of: frozenset[str] = frozenset()
         self._viewers: tuple[frozenset[str], ...] = viewers(frozenset())  # per shard, among `_owners_of`
+        self._moved: _Moved | None = None  # until `_MOVED_S` after the members last changed
         # Others' candidates whose owner is claiming (name → the owner, "" while every peer is,
         # and the band): out of the index until it stops claiming or the peers change. Without
         # this, every look would pass again what its owner took and has not told. Counted by
@@ -157,7 +181,7 @@ class QueueView:
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
         self.task_listeners: list[Listener] = []  # also told of every Task event, after the view
-        self.join_listeners: list[Callable[[str], None]] = []  # told of each member that joins
+        self.peer_listeners: list[Callable[[str], None]] = []  # told of each member that comes or goes
         self._tasks_watch = TaskWatches(kube, namespace=namespace, queue=queue, listener=self._on_task,
                                         drop=self._on_dropped, field_selector=task_selector(queue),
                                         watch_field_selector=queue_selector(queue), batch_s=_TASK_BATCH_S)
@@ -191,7 +215,10 @@ class QueueView:
         with self._changed:
             if not self._tasks_started:
                 now = self._now()
-                self._divide(_peer_set(self._live_members(now), self._holder), now)  # `_divide` moves no watch yet
+                peers = _peer_set(self._live_members(now), self._holder)
+                self._divide(peers, now)  # `_divide` moves no watch yet
+                others = peers - {self._holder}
+                self._note_moved(others, viewers(others), now)  # we joined: what is ours was the others'
                 self._tasks_started = True
                 self.task_watch.start(self._viewed())
 
@@ -244,6 +271,8 @@ class QueueView:
         for task in tasks:
             rec = self._leases.get(task.name)
             tried = self._taken.get(task.name)
+            if tried is None:
+                tried = self._unheld_take(task)  # read from the API server, not (yet) held
             if tried is not None and tried == (rec.resource_version if rec else ""):
                 continue  # taken since, as far as we know
             if rec is None and task.status_attempt:
@@ -270,15 +299,36 @@ class QueueView:
     def _divide(self, peers: frozenset[str], now: datetime) -> None:
         """Caller holds the lock. The members are now `peers`: the tasks are divided anew (what
         we parked may be ours now), and so are the shards."""
+        if self._tasks_started:
+            self._note_moved(self._owners_of, self._viewers, now)
         self._owners, self._ours, self._owners_of = {}, {}, peers
         self._viewers = viewers(peers)
         if self._tasks_started:
             self.task_watch.view(self._viewed())
         self._unpark(None, now)
 
+    def _note_moved(self, peers: frozenset[str], shards: tuple[frozenset[str], ...], now: datetime) -> None:
+        """Caller holds the lock. The tasks were divided among `peers`, the shards viewed by
+        `shards`, and are divided anew at `now` (see `_MOVED_S`). Changes in a row are judged
+        from the division before the first."""
+        if self._holder and (self._moved is None or self._moved.until <= now):
+            self._moved = _Moved(peers=peers, viewers=shards, until=now, heard=set(), held=set())
+        if self._moved is not None:
+            self._moved.until = now + timedelta(seconds=_MOVED_S)
+
     def _viewed(self) -> frozenset[int]:
         """Caller holds the lock. The shards whose tasks this agent watches."""
         return frozenset(s for s, v in enumerate(self._viewers) if not self._holder or self._holder in v)
+
+    def _moved_from(self, name: str, claiming: Collection[str]) -> str:
+        """Caller holds the lock. The claiming peer, not heard from since the members changed,
+        whose task `name` (ours now) was before; "" if none."""
+        moved = self._moved
+        if moved is None or name in self._leases:  # a free Lease's claim reaches us at once
+            return ""
+        shard = self.task_watch.shard(name)
+        was = owner(moved.peers if shard is None else moved.viewers[shard], name)[1]
+        return was if was in claiming and was not in moved.heard and was != self._holder else ""
 
     def _peers_of(self, name: str) -> frozenset[str]:
         """Caller holds the lock. Among whom task `name` is divided: its shard's viewers, or
@@ -298,10 +348,15 @@ class QueueView:
         `_DEEPEST`): an agent whose peers own the oldest tasks must not idle beside a deep queue."""
         with self._changed:
             if not self._pruned and self.listed:
-                # Claims made before the list ended, of tasks it did not hold (done by then).
-                self._taken = {n: rv for n, rv in self._taken.items() if n in self._tasks}
+                # Claims made before the list ended, of tasks it did not hold (done by then, or
+                # of shards others view).
+                for name in [n for n in self._taken if n not in self._tasks]:
+                    self._keep_unheld(name, self._taken.pop(name), now)
                 self._pruned = True
             self._release_due(now)
+            if self._moved is not None and self._moved.until <= now:
+                formers, self._moved = self._moved.held, None
+                self._unpark(formers, now)
             live = self._live_members(now)
             peers = _peer_set(live, holder)
             if peers != self._owners_of:
@@ -316,7 +371,8 @@ class QueueView:
                     # Nothing, or only what claiming peers take themselves, or a lower band than
                     # one of theirs (strict priority): look again when the first of them would be
                     # gone, were it silent (one that tells, stops claiming or leaves wakes us).
-                    wait = min(claiming.values()) - now if self._parked and claiming else timedelta(0)
+                    ends = [*claiming.values(), *((self._moved.until,) if self._moved else ())]
+                    wait = min(ends) - now if self._parked and claiming else timedelta(0)
                     return [], Division(names=[], ours=0, owner=None, wait_s=max(wait.total_seconds(), 0.0),
                                         held_back=bool(names))
                 # Kept across looks (each starts shallow again, and a deep one needs the owners of
@@ -328,7 +384,8 @@ class QueueView:
                 others = self._park([n for top, n in weights if top is None], claiming)
                 # Ours first, best first, and only as many judged as wanted: at 16 agents 15 of
                 # 16 names in the window are someone else's, and a claim tries one.
-                ours = sorted(((top, n) for top, n in weights if top is not None), reverse=True)
+                ours = sorted(((top, n) for top, n in weights if top is not None and not self._hold_moved(n, claiming)),
+                              reverse=True)
                 mine: list[str] = []
                 for _, name in ours:
                     if len(mine) == limit:
@@ -380,6 +437,20 @@ class QueueView:
             else:
                 kept.append(name)
         return kept
+
+    def _hold_moved(self, name: str, claiming: Collection[str]) -> bool:
+        """Caller holds the lock. Whether our candidate `name` came to us from a claiming peer
+        (`_moved_from`): then it leaves the index, parked under that peer."""
+        was = self._moved_from(name, claiming)
+        priority = self._index.priority(name)
+        if not was or priority is None or self._moved is None:
+            return False
+        self._moved.held.add(was)
+        self._parked[name] = (was, priority)
+        self._parked_owners[was] += 1
+        self._parked_bands[priority] += 1
+        self._index.discard(name)
+        return True
 
     def _unparked(self, name: str) -> bool:
         """Caller holds the lock. Forget that `name` is parked; False if it was not."""
@@ -496,7 +567,9 @@ class QueueView:
                 self._forget(name, lease=True)  # finished (it left the phase selector) or deleted
             else:
                 before = self._tasks.get(name)
-                if before is not None and not same_task(before, text):
+                if before is None:
+                    self._recall(view)
+                elif not same_task(before, text):
                     # Deleted and made again under its name, told as one event (a watch that
                     # waited out a list keeps each name's last): what we knew of the old one goes.
                     self._forget(name, lease=False)
@@ -508,8 +581,36 @@ class QueueView:
     def _on_dropped(self, names: list[str]) -> None:
         """Tasks of shards we no longer view: our peers that view them claim them."""
         with self._changed:
+            now = self._now()
             for name in names:
+                if name in self._taken:
+                    self._keep_unheld(name, self._taken[name], now)
                 self._forget(name, lease=False)  # its free Lease stays known, should the shard come back
+
+    def _keep_unheld(self, name: str, tried: str, now: datetime) -> None:
+        """Caller holds the lock. Task `name`, which we do not hold, was taken (`tried` as in
+        `_taken`), as we learnt at `now`."""
+        self._unheld[name] = (tried, now)
+        self._unheld.move_to_end(name)
+        if len(self._unheld) > _UNHELD_KEPT:
+            self._unheld.popitem(last=False)
+
+    def _unheld_take(self, task: TaskView) -> str | None:
+        """Caller holds the lock. What `_taken` would say of `task`, learnt while we did not
+        hold it; None if nothing, or the task was made after (another under the same name)."""
+        entry = self._unheld.get(task.name)
+        if entry is None:
+            return None
+        created = parse_time(task.created)
+        return entry[0] if created is None or created <= entry[1] else None
+
+    def _recall(self, view: TaskView) -> None:
+        """Caller holds the lock. Task `view` arrived: a take we learnt of while we did not hold
+        it holds."""
+        tried = self._unheld_take(view)
+        self._unheld.pop(view.name, None)
+        if tried is not None:
+            self._taken[view.name] = tried
 
     def _forget(self, name: str, *, lease: bool) -> None:
         """Caller holds the lock. Task `name` is out of the picture; with `lease`, its Lease too
@@ -518,6 +619,7 @@ class QueueView:
         self._decoded.pop(name, None)
         self._taken.pop(name, None)
         if lease:
+            self._unheld.pop(name, None)
             self._leases.pop(name, None)
             self._histories.pop(name, None)
         self._judge(name, self._now())
@@ -542,6 +644,8 @@ class QueueView:
                 self._histories.pop(name, None)
                 if name in self._tasks:
                     self._taken[name] = ""
+                else:
+                    self._keep_unheld(name, "", self._now())
             else:
                 freed = name not in self._leases
                 self._leases[name] = rec
@@ -575,10 +679,14 @@ class QueueView:
             for name in member.took if kind != "DELETED" else ():  # also when it leaves
                 # Claimed by creating its Lease, which no watch of ours shows; a claim of a free
                 # Lease was a DELETED already, and one freed since is in `_leases` again.
-                if name in self._tasks and name not in self._leases:
-                    self._taken[name] = ""
-                    self._index.discard(name)
-                    told = self._unparked(name) or told
+                if name in self._leases:
+                    continue
+                if name not in self._tasks:
+                    self._keep_unheld(name, "", now)  # its shard may come to us, listed open
+                    continue
+                self._taken[name] = ""
+                self._index.discard(name)
+                told = self._unparked(name) or told
             before = self._members.get(member.name)
             if kind == "DELETED" or not member.holder:
                 self._members.pop(member.name, None)
@@ -587,8 +695,12 @@ class QueueView:
                                                   claiming=member.claiming, waiting=member.waiting,
                                                   until=now + timedelta(seconds=member.duration_s))
             after = self._members.get(member.name)
-            joined = after.holder if after and not before else ""
             came_or_went = (before and before.holder) != (after and after.holder)
+            changed = (after.holder if after else before.holder if before else "") if came_or_went else ""
+            if after is not None and self._moved is not None:
+                self._moved.heard.add(after.holder)  # it told what it took: what came to us is ours
+                if after.holder in self._moved.held:
+                    self._unpark({after.holder}, now)
             if came_or_went and self._holder:  # our shards follow our peers, claiming or not
                 peers = _peer_set(self._live_members(now), self._holder)
                 if peers != self._owners_of:
@@ -600,9 +712,9 @@ class QueueView:
                 self._bump()
             if after is None or not after.claiming:  # its share, if we parked any, is a thief's now
                 self._unpark({before.holder if before else member.holder, ""}, now)
-        if joined:
-            for listener in self.join_listeners:
-                listener(joined)
+        if changed:
+            for listener in self.peer_listeners:
+                listener(changed)
 
     def _live_members(self, now: datetime) -> list[Peer]:
         """Caller holds the lock. The members not gone silent; the silent ones are forgotten."""

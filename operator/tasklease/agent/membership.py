@@ -2,7 +2,7 @@
 
 Written at once on joining, then every third of its duration (liveness); when we start
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
-operator did not project; at once for a theft, when a peer joins, when we move to a lower
+operator did not project; at once for a theft, when a peer comes or goes, when we move to a lower
 band or are held back from one, if there is anything to tell; every `TELL_MAX` untold
 claims; when a claim has waited `WAITING_S` for a task (that it waits; that it stopped is
 said by the next write). On `close`, it tells what is left to tell, then is deleted (or,
@@ -118,8 +118,10 @@ class Membership:
             with self._wake:
                 self._untold.pop(name, None)
 
-    def joined(self, holder: str) -> None:
-        """`holder` joined the queue: some of what we took untold is its share now, as it sees it."""
+    def peers_changed(self, holder: str) -> None:
+        """`holder` joined or left the queue: the tasks are divided anew, and some of what we
+        took untold may be another's share now, as it sees it (it holds those back until we
+        write, for a while: `QueueView`)."""
         if holder != self._holder and self._untold:
             with self._wake:
                 self._urgent = True
@@ -148,7 +150,7 @@ class Membership:
     def _next(self, *, leaving: bool) -> tuple[list[str], bool, bool]:
         """Caller holds the lock. What the write about to be made says: the claims it tells of,
         whether we claim, and whether we wait in a claim. All the claims once we stopped
-        claiming (or are `leaving`), or it is urgent (a theft, a join, a lower band), or they
+        claiming (or are `leaving`), or it is urgent (a theft, a peer that came or went, a lower band), or they
         are many; none while we claim (our peers leave our share to us)."""
         now = time.monotonic()
         self._claiming = self._claiming and not leaving and now - self._claimed_at < QUIET_S

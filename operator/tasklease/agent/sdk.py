@@ -423,7 +423,7 @@ class Agent:
                                                 holder=self.identity.holder, pod=pod),
                                     holder=self.identity.holder, holding=self._holding)
                 view.task_listeners.append(member.seen)  # the operator's projections tell our claims for us
-                view.join_listeners.append(member.joined)
+                view.peer_listeners.append(member.peers_changed)
                 member.start()
                 self._members[view.queue] = member
         if joining:
