@@ -33,19 +33,23 @@ def weight(holder: str, name: str) -> float:
 
 def viewers(peers: Collection[str]) -> tuple[frozenset[str], ...]:
     """Who watches each shard among `peers`: `VIEWERS` of them (all, when fewer), by
-    rendezvous weight, each peer watching about its fair part (a shard or two more at most),
-    so that the agents' shares stay even. The same on every agent that knows the same peers; a peer
-    that comes or goes moves few shards."""
+    rendezvous weight, none watching more than its fair part and one (two at most, when a
+    shard's viewers must differ), so that the agents' shares stay even. The same on every agent
+    that knows the same peers; a peer that comes or goes moves its own shards and a few more."""
     if len(peers) <= VIEWERS:
         return (frozenset(peers),) * SHARDS
+    # One bound for every shard, not one that grows shard by shard: a change of peers then
+    # moves few shards besides those of the peer that came or went (each moved shard is
+    # listed again by its new viewer).
+    fair = SHARDS * VIEWERS / len(peers)
+    cap = math.ceil(fair) + 1
     load: Counter[str] = Counter()
     found = []
     for shard in range(SHARDS):
-        # The heaviest first among those not ahead of their part so far by more than one (so
-        # a peer that comes or goes moves a few shards, and none views many more than others),
-        # then the others.
-        part = math.ceil((shard + 1) * VIEWERS / len(peers)) + 1
-        ranked = sorted(peers, key=lambda p: (load[p] >= part, -weight(p, f"shard/{shard}"), p))
+        # Those that would end short of their part without every shard left first, then the
+        # heaviest among those under the bound, then the least loaded of the others.
+        ranked = sorted(peers, key=lambda p: (load[p] + SHARDS - shard > fair - 1, load[p] >= cap,
+                                              load[p] if load[p] >= cap else 0, -weight(p, f"shard/{shard}"), p))
         found.append(frozenset(ranked[:VIEWERS]))
         load.update(ranked[:VIEWERS])
     return tuple(found)
