@@ -384,8 +384,8 @@ class QueueView:
                 others = self._park([n for top, n in weights if top is None], claiming)
                 # Ours first, best first, and only as many judged as wanted: at 16 agents 15 of
                 # 16 names in the window are someone else's, and a claim tries one.
-                ours = sorted(((top, n) for top, n in weights if top is not None and not self._hold_moved(n, claiming)),
-                              reverse=True)
+                tops = {n: top for top, n in weights if top is not None}
+                ours = sorted(((tops[n], n) for n in self._hold_moved(list(tops), claiming)), reverse=True)
                 mine: list[str] = []
                 for _, name in ours:
                     if len(mine) == limit:
@@ -430,27 +430,35 @@ class QueueView:
             peer = "" if everyone else self._owner(name)[1]
             priority = self._index.priority(name)
             if priority is not None and name not in self._leases and (everyone or peer in claiming):
-                self._parked[name] = (peer, priority)
-                self._parked_owners[peer] += 1
-                self._parked_bands[priority] += 1
-                self._index.discard(name)
+                self._park_under(name, peer, priority)
             else:
                 kept.append(name)
         return kept
 
-    def _hold_moved(self, name: str, claiming: Collection[str]) -> bool:
-        """Caller holds the lock. Whether our candidate `name` came to us from a claiming peer
-        (`_moved_from`): then it leaves the index, parked under that peer."""
-        was = self._moved_from(name, claiming)
-        priority = self._index.priority(name)
-        if not was or priority is None or self._moved is None:
-            return False
-        self._moved.held.add(was)
-        self._parked[name] = (was, priority)
-        self._parked_owners[was] += 1
+    def _hold_moved(self, names: list[str], claiming: Collection[str]) -> list[str]:
+        """Caller holds the lock. Those of `names` (our candidates) that did not come to us
+        from a claiming peer (`_moved_from`); the others leave the index, parked under it."""
+        moved = self._moved
+        if moved is None or not claiming:
+            return names
+        kept = []
+        for name in names:
+            was = self._moved_from(name, claiming)
+            priority = self._index.priority(name)
+            if was and priority is not None:
+                moved.held.add(was)
+                self._park_under(name, was, priority)
+            else:
+                kept.append(name)
+        return kept
+
+    def _park_under(self, name: str, peer: str, priority: int) -> None:
+        """Caller holds the lock. Candidate `name`, of band `priority`, leaves the index until
+        `peer` stops claiming (`_unpark`)."""
+        self._parked[name] = (peer, priority)
+        self._parked_owners[peer] += 1
         self._parked_bands[priority] += 1
         self._index.discard(name)
-        return True
 
     def _unparked(self, name: str) -> bool:
         """Caller holds the lock. Forget that `name` is parked; False if it was not."""
@@ -638,6 +646,7 @@ class QueueView:
             rec = record.decode(obj, whole=False)
             history = (meta.get("annotations") or {}).get(record.ANN_HISTORY, "")
         with self._changed:
+            now = self._now()
             if rec is None or rec.state != record.FREE:
                 # It left the free selector: claimed, closed or deleted. Not claimable until seen free again.
                 self._leases.pop(name, None)
@@ -645,7 +654,7 @@ class QueueView:
                 if name in self._tasks:
                     self._taken[name] = ""
                 else:
-                    self._keep_unheld(name, "", self._now())
+                    self._keep_unheld(name, "", now)
             else:
                 freed = name not in self._leases
                 self._leases[name] = rec
@@ -655,7 +664,7 @@ class QueueView:
                     self._histories.pop(name, None)
                 if freed and history:
                     self._forget_expired(history)
-            self._judge(name, self._now())
+            self._judge(name, now)
 
     def _forget_expired(self, history: str) -> None:
         """Caller holds the lock. A Lease just freed by the operator's expiry of its last
