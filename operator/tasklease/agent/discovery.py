@@ -54,6 +54,10 @@ _DECODED = 1024  # task views kept decoded (the most recently used)
 _DEEPEST = 4096  # how far into a band an agent looks for a task of its own
 _OWNERS_KEPT = 2 * _DEEPEST  # tasks whose owner is remembered (for one set of peers)
 _UNHELD_KEPT = 8192  # takes remembered of tasks we do not hold (see `QueueView._unheld`)
+# Such a take is of a task created this long before we learnt of it, or of another task under
+# the same name: a creationTimestamp is whole seconds, and our picture of the server's time
+# may be off by a little.
+_MADE_BEFORE_S = 2.0
 # A task that came to us when the members changed, from a peer that is claiming, may be one
 # it took untold: it is left to that peer until it writes its member Lease (it tells at once,
 # `Membership.peers_changed`), or this long after the last change (it had nothing to tell).
@@ -605,12 +609,13 @@ class QueueView:
 
     def _unheld_take(self, task: TaskView) -> str | None:
         """Caller holds the lock. What `_taken` would say of `task`, learnt while we did not
-        hold it; None if nothing, or the task was made after (another under the same name)."""
+        hold it; None if nothing, or the task may have been made since (`_MADE_BEFORE_S`)."""
         entry = self._unheld.get(task.name)
         if entry is None:
             return None
         created = parse_time(task.created)
-        return entry[0] if created is None or created <= entry[1] else None
+        made_before = created is not None and created <= entry[1] - timedelta(seconds=_MADE_BEFORE_S)
+        return entry[0] if made_before else None
 
     def _recall(self, view: TaskView) -> None:
         """Caller holds the lock. Task `view` arrived: a take we learnt of while we did not hold
