@@ -128,6 +128,13 @@ def _peer_set(live: list[Peer], holder: str) -> frozenset[str]:
     return frozenset((*(m.holder for m in live), holder))
 
 
+def _made_before(task: TaskView, learnt: datetime) -> bool:
+    """Whether a take of task `task`'s name, learnt at `learnt`, is of this task: it was
+    created `_MADE_BEFORE_S` before (else it may be another made since under the same name)."""
+    created = parse_time(task.created)
+    return created is not None and created <= learnt - timedelta(seconds=_MADE_BEFORE_S)
+
+
 def _count_down(counter: Counter[K], key: K) -> None:
     """One less of `key`; none left, no key (a Counter's `max` and `get` see only the live ones)."""
     counter[key] -= 1
@@ -611,11 +618,7 @@ class QueueView:
         """Caller holds the lock. What `_taken` would say of `task`, learnt while we did not
         hold it; None if nothing, or the task may have been made since (`_MADE_BEFORE_S`)."""
         entry = self._unheld.get(task.name)
-        if entry is None:
-            return None
-        created = parse_time(task.created)
-        made_before = created is not None and created <= entry[1] - timedelta(seconds=_MADE_BEFORE_S)
-        return entry[0] if made_before else None
+        return entry[0] if entry is not None and _made_before(task, entry[1]) else None
 
     def _recall(self, view: TaskView) -> None:
         """Caller holds the lock. Task `view` arrived: a take we learnt of while we did not hold
@@ -698,6 +701,8 @@ class QueueView:
                 if name not in self._tasks:
                     self._keep_unheld(name, "", now)  # its shard may come to us, listed open
                     continue
+                if not _made_before(self._view(name), now):
+                    continue  # perhaps made again under its name since the claim told of
                 self._taken[name] = ""
                 self._index.discard(name)
                 told = self._unparked(name) or told
