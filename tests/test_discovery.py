@@ -653,6 +653,45 @@ def test_a_task_that_came_to_us_from_a_claiming_peer_waits_until_it_tells_or_a_m
     assert mine(now + timedelta(seconds=discovery._MOVED_S)) == sorted(from_b + from_a[1:] + from_c)
 
 
+@pytest.mark.unit
+def test_an_agent_with_none_of_its_own_takes_the_far_end_of_a_claiming_peers_backlog_while_claims_are_projected(
+) -> None:
+    """A claiming peer's tasks are left to it, but not to the last while we idle beside its
+    backlog: with the operator projecting claims (what it takes leaves our picture at once),
+    we take the one it comes to last (it takes its own heaviest first), while it has
+    `_TAIL_LEFT` left."""
+    clock = [100.0]
+    view = QueueView(_Clockless(), namespace="ns", queue="q", clock=lambda: clock[0])  # type: ignore[arg-type]
+    names = [f"t-{i}" for i in range(6)]
+
+    def task(i: int, phase: str = "") -> dict[str, Any]:
+        return {"metadata": {"name": names[i], "namespace": "ns", "uid": f"uid-{i}",
+                             "creationTimestamp": f"2026-01-01T00:00:0{i}Z"},
+                "spec": {"queue": "q"}, "status": {"phase": phase, "attempt": 1 if phase else 0}}
+    view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x"),
+                                           "annotations": {members.ANN_CLAIMING: "true"}},
+                              "spec": {"holderIdentity": "peer/x", "leaseDurationSeconds": 60}})
+    everyone = ["peer/x", "me/x"]
+    while [n for n in names if owner(everyone, n)[1] != "peer/x"]:  # all the peer's
+        names = [f"{n}x" if owner(everyone, n)[1] != "peer/x" else n for n in names]
+    for i in range(6):
+        view._on_task("ADDED", task(i))
+
+    def look() -> tuple[list[str], Owner | None]:
+        candidates, division = view.choose("me/x", now_utc(), window=8)
+        return [t.name for t, _ in candidates], division.owner
+    assert look() == ([], None)  # no claim projected yet: what the peer took may look open
+    view._on_task("MODIFIED", task(0, phase="Running"))  # the operator projects the peer's claim
+    clock[0] += discovery._PROJECTED_S + 1
+    assert look() == ([], None)  # none projected for a while: it may have taken more, untold
+    view._on_task("MODIFIED", task(0, phase="Running"))
+    lightest = sorted(names[1:], key=lambda n: weight("peer/x", n))
+    for name in lightest[:2]:
+        assert look() == ([name], Owner.CLAIMING)
+        view.mark_taken(name, None)
+    assert look() == ([], None)  # three left: they are the peer's
+
+
 class _Clockless:
     """What a QueueView fed by hand reads of its Kube."""
 

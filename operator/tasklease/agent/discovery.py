@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from tasklease.agent.candidates import CandidateIndex
 from tasklease.agent.compact import compact, expand, same_task
-from tasklease.agent.division import Division, Ownership, divide, owned_weight, owner, viewers
+from tasklease.agent.division import Division, Owner, Ownership, divide, owned_weight, owner, viewers
 from tasklease.agent.taskwatch import TaskWatches
 from tasklease.api import errors, models
 from tasklease.api.timestamps import parse_time
@@ -62,6 +62,13 @@ _MADE_BEFORE_S = 2.0
 # it took untold: it is left to that peer until it writes its member Lease (it tells at once,
 # `Membership.peers_changed`), or this long after the last change (it had nothing to tell).
 _MOVED_S = 0.5
+# An agent with none of its own takes from a claiming peer's backlog (`QueueView._tail`) while
+# the operator projects claims (one seen this recently: what the peer took leaves our picture
+# within a moment), and only from a peer with at least this many left in our view: the one it
+# comes to last, long before it gets there.
+_PROJECTED_S = 2.0
+_PROJECTED = frozenset({models.Phase.RUNNING, *models.TERMINAL_PHASES})  # what a projected claim says
+_TAIL_LEFT = 4
 # Every agent of a queue reads every event of its Tasks: one that arrives after a quiet spell
 # is read at once, the ones close behind it, each at most this late, together (`Kube.watch`).
 # A claim made on older news may lose a race (each is checked against the task's Lease); a
@@ -188,6 +195,7 @@ class QueueView:
         self._parked: dict[str, tuple[str, int]] = {}
         self._parked_owners: Counter[str] = Counter()
         self._parked_bands: Counter[int] = Counter()
+        self._projected_at = -float("inf")  # `clock` when a claim's projection last reached us
         self._changed = threading.Condition()
         self._generation = 0  # moves only when something may have become claimable
         self.wakeups = 0  # how many events woke the waiting claimers (the bench reads it)
@@ -382,6 +390,10 @@ class QueueView:
                     # Nothing, or only what claiming peers take themselves, or a lower band than
                     # one of theirs (strict priority): look again when the first of them would be
                     # gone, were it silent (one that tells, stops claiming or leaves wakes us).
+                    tail = self._tail(holder, now, claiming) if limit != 0 else None
+                    if tail is not None:
+                        return [(self._view(tail), self._with_history(tail))], Division(
+                            names=[tail], ours=0, owner=Owner.CLAIMING, deputy=True)
                     ends = [*claiming.values(), *((self._moved.until,) if self._moved else ())]
                     wait = min(ends) - now if self._parked and claiming else timedelta(0)
                     return [], Division(names=[], ours=0, owner=None, wait_s=max(wait.total_seconds(), 0.0),
@@ -470,6 +482,34 @@ class QueueView:
         self._parked_owners[peer] += 1
         self._parked_bands[priority] += 1
         self._index.discard(name)
+
+    def _tail(self, holder: str, now: datetime, claiming: Collection[str]) -> str | None:
+        """Caller holds the lock, and no candidate of ours is left. Of the best band parked, the
+        task that a claiming peer with the most left in our view (`_TAIL_LEFT` at least) comes
+        to last: the one it weighs least (it takes its own by weight, heaviest first).
+        Only tasks we are the deputy of (no other thief takes it), only while the operator
+        projects claims (`_PROJECTED_S`: the peer's claims leave our picture within a moment,
+        and so does this one, with no tell of ours), and none new (`_RIPE_S`)."""
+        if not self._parked or self._clock() - self._projected_at > _PROJECTED_S:
+            return None
+        band = max(self._parked_bands)
+        self._forget_ripe(self._clock())
+        left: Counter[str] = Counter()
+        last: dict[str, tuple[float, str]] = {}  # peer → (its weight, name) at least
+        for name, (_, priority) in self._parked.items():
+            top, peer, deputy = self._owner(name)
+            if priority != band or peer not in claiming or deputy != holder or name in self._fresh:
+                continue
+            task, rec = self._task(name), self._leases.get(name)
+            if task is None or name in self._taken or blocker(task, rec, now) is not None:
+                continue
+            left[peer] += 1
+            if peer not in last or (top, name) < last[peer]:
+                last[peer] = (top, name)
+        most = max(left, key=lambda peer: (left[peer], peer), default=None)
+        if most is None or left[most] < _TAIL_LEFT:
+            return None
+        return last[most][1]
 
     def _unparked(self, name: str) -> bool:
         """Caller holds the lock. Forget that `name` is parked; False if it was not."""
@@ -566,6 +606,7 @@ class QueueView:
         with self._changed:
             self._taken[name] = tried.resource_version if tried else ""
             self._index.discard(name)
+            self._unparked(name)  # a claiming peer's, taken from its backlog (`_tail`)
             current = self._leases.get(name)
             if (current.resource_version if current else "") != self._taken[name]:
                 self._judge(name, self._now())  # it changed since the look we tried it from
@@ -582,6 +623,8 @@ class QueueView:
         view = None if kind == "DELETED" else TaskView.of(obj)
         text = b"" if view is None else text or compact(obj, queue=self.queue)
         with self._changed:
+            if (obj.get("status") or {}).get("phase") in _PROJECTED:
+                self._projected_at = self._clock()  # the operator projects claims (`_tail`)
             if view is None:
                 self._forget(name, lease=True)  # finished (it left the phase selector) or deleted
             else:

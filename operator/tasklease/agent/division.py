@@ -89,6 +89,7 @@ class Owner(enum.IntEnum):
 
     BUSY = 0  # holds a lease and is not claiming: long work, it will not take more soon
     IDLE = 1  # holds nothing and is not claiming: it takes its task now, if it is alive
+    CLAIMING = 2  # taking its own: only the far end of a backlog it has in our view (`QueueView._tail`)
 
 
 @dataclass(frozen=True)

@@ -460,7 +460,7 @@ class Agent:
     def _pick(self, view: QueueView, member: Membership,
               stop: threading.Event | None) -> tuple[list[Candidate], float, bool]:
         """What to try now, how long to wait before looking again if none of it is won, and
-        whether it is ours (not a thief's pick)."""
+        whether a win is told as ours are (not a theft, told at once)."""
         candidates, division = self._look(view)
         if view.partial and not division.held_back and not division.wait_s and (
                 not candidates or candidates[0][0].spec.priority < DEFAULT_PRIORITY):
@@ -484,8 +484,10 @@ class Agent:
             # have changed; a peer that stops claiming or leaves, or a task freed, wakes us sooner.
             return [], max(division.wait_s, self.settings.spread_s), False
         # Ours (a race lost over one of ours means a peer knows other peers than we do: the
-        # next look offers our others), or a thief's pick.
-        return candidates, self.settings.recheck_s, bool(division.ours)
+        # next look offers our others), or a thief's pick. One from the far end of a claiming
+        # peer's backlog is told by the operator's projection, as ours are (`QueueView._tail`):
+        # that peer reaches it last, and no other thief views it.
+        return candidates, self.settings.recheck_s, bool(division.ours) or division.owner is Owner.CLAIMING
 
     def _beyond(self, view: QueueView, found: list[Candidate]) -> tuple[list[Candidate], float, bool] | None:
         """A look at the shards we view found nothing, or only tasks below the default band:
