@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -489,27 +490,26 @@ class QueueView:
         to last: the one it weighs least (it takes its own by weight, heaviest first).
         Only tasks we are the deputy of (no other thief takes it), only while the operator
         projects claims (`_PROJECTED_S`: the peer's claims leave our picture within a moment,
-        and so does this one, with no tell of ours), and none new (`_RIPE_S`)."""
+        and so does this one, with no tell of ours), and none new (`_RIPE_S`). Of a deep
+        backlog, the first `_DEEPEST` parked are enough: any of them is far from its owner's turn."""
         if not self._parked or self._clock() - self._projected_at > _PROJECTED_S:
             return None
         band = max(self._parked_bands)
         self._forget_ripe(self._clock())
         left: Counter[str] = Counter()
         last: dict[str, tuple[float, str]] = {}  # peer → (its weight, name) at least
-        for name, (_, priority) in self._parked.items():
+        for name, (_, priority) in itertools.islice(self._parked.items(), _DEEPEST):
+            if priority != band or name in self._fresh or name in self._taken:
+                continue
             top, peer, deputy = self._owner(name)
-            if priority != band or peer not in claiming or deputy != holder or name in self._fresh:
-                continue
-            task, rec = self._task(name), self._leases.get(name)
-            if task is None or name in self._taken or blocker(task, rec, now) is not None:
-                continue
-            left[peer] += 1
-            if peer not in last or (top, name) < last[peer]:
-                last[peer] = (top, name)
+            if peer in claiming and deputy == holder:
+                left[peer] += 1
+                if peer not in last or (top, name) < last[peer]:
+                    last[peer] = (top, name)
         most = max(left, key=lambda peer: (left[peer], peer), default=None)
         if most is None or left[most] < _TAIL_LEFT:
             return None
-        return last[most][1]
+        return next(iter(self._ready([last[most][1]], now)), None)  # one not claimable leaves the parked
 
     def _unparked(self, name: str) -> bool:
         """Caller holds the lock. Forget that `name` is parked; False if it was not."""
