@@ -662,12 +662,11 @@ def test_an_agent_with_none_of_its_own_takes_the_far_end_of_a_claiming_peers_bac
     `_TAIL_LEFT` left."""
     clock = [100.0]
     view = QueueView(_Clockless(), namespace="ns", queue="q", clock=lambda: clock[0])  # type: ignore[arg-type]
-    many = discovery._TAIL_LEFT + 2  # one the peer takes, two we take, and as many as it keeps
-    names = [f"t-{i}" for i in range(many)]
+    names = [f"t-{i}" for i in range(6)]
 
     def task(i: int, phase: str = "") -> dict[str, Any]:
         return {"metadata": {"name": names[i], "namespace": "ns", "uid": f"uid-{i}",
-                             "creationTimestamp": f"2026-01-01T00:00:{i:02}Z"},
+                             "creationTimestamp": f"2026-01-01T00:00:0{i}Z"},
                 "spec": {"queue": "q"}, "status": {"phase": phase, "attempt": 1 if phase else 0}}
     view._on_member("ADDED", {"metadata": {"name": members.lease_name("q", "peer/x"),
                                            "annotations": {members.ANN_CLAIMING: "true"}},
@@ -675,7 +674,7 @@ def test_an_agent_with_none_of_its_own_takes_the_far_end_of_a_claiming_peers_bac
     everyone = ["peer/x", "me/x"]
     while [n for n in names if owner(everyone, n)[1] != "peer/x"]:  # all the peer's
         names = [f"{n}x" if owner(everyone, n)[1] != "peer/x" else n for n in names]
-    for i in range(many):
+    for i in range(6):
         view._on_task("ADDED", task(i))
 
     def look() -> tuple[list[str], Owner | None]:
@@ -690,7 +689,7 @@ def test_an_agent_with_none_of_its_own_takes_the_far_end_of_a_claiming_peers_bac
     for name in lightest[:2]:
         assert look() == ([name], Owner.CLAIMING)
         view.mark_taken(name, None)
-    assert look() == ([], None)  # fewer than `_TAIL_LEFT` left: they are the peer's
+    assert look() == ([], None)  # three left: they are the peer's
 
 
 class _Clockless:

@@ -69,7 +69,7 @@ _MOVED_S = 0.5
 # comes to last, long before it gets there.
 _PROJECTED_S = 2.0
 _PROJECTED = frozenset({models.Phase.RUNNING, *models.TERMINAL_PHASES})  # what a projected claim says
-_TAIL_LEFT = 8
+_TAIL_LEFT = 4
 # Every agent of a queue reads every event of its Tasks: one that arrives after a quiet spell
 # is read at once, the ones close behind it, each at most this late, together (`Kube.watch`).
 # A claim made on older news may lose a race (each is checked against the task's Lease); a
