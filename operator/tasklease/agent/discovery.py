@@ -492,10 +492,11 @@ class QueueView:
         projects claims (`_PROJECTED_S`: the peer's claims leave our picture within a moment,
         and so does this one, with no tell of ours), and none new (`_RIPE_S`). Of a deep
         backlog, the first `_DEEPEST` parked are enough: any of them is far from its owner's turn."""
-        if not self._parked or self._clock() - self._projected_at > _PROJECTED_S:
+        clock = self._clock()
+        if not self._parked or clock - self._projected_at > _PROJECTED_S:
             return None
         band = max(self._parked_bands)
-        self._forget_ripe(self._clock())
+        self._forget_ripe(clock)
         left: Counter[str] = Counter()
         last: dict[str, tuple[float, str]] = {}  # peer → (its weight, name) at least
         for name, (_, priority) in itertools.islice(self._parked.items(), _DEEPEST):
