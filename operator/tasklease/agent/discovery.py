@@ -68,7 +68,7 @@ _MOVED_S = 0.5
 # within a moment), and only from a peer with at least this many left in our view: the one it
 # comes to last, long before it gets there.
 _PROJECTED_S = 2.0
-_PROJECTED = frozenset({models.Phase.RUNNING, *models.TERMINAL_PHASES})  # what a projected claim says
+_PROJECTED = frozenset({models.Phase.RUNNING.value, *models.TERMINAL_PHASES})  # what a projected claim says
 _TAIL_LEFT = 4
 # Every agent of a queue reads every event of its Tasks: one that arrives after a quiet spell
 # is read at once, the ones close behind it, each at most this late, together (`Kube.watch`).
