@@ -416,6 +416,9 @@ def test_an_agent_that_joins_is_a_member_to_its_peers_before_it_claims(kube: Kub
         view = agent.join("joined")
         assert any(m.holder == agent.identity.holder for m in view._members.values())  # seen itself
         assert peer.wait_for_member(agent.identity.holder, 30), "the peer never counted the joined agent"
+        # `join` returns once any of the task watches has a first page (a deep queue lists on in
+        # the background): the index holds every candidate once the first list has ended.
+        assert view.wait_listed(30), "the queue's first list never ended"
         assert view.claimable_count() == 1 and agent.member_writes().told == 0  # nothing claimed
     finally:
         agent.close()
