@@ -595,6 +595,28 @@ def test_a_task_made_again_under_its_name_is_judged_anew_though_told_as_one_even
 
 
 @pytest.mark.unit
+def test_a_free_lease_of_a_task_made_again_that_comes_before_the_old_tasks_deletion_is_kept() -> None:
+    """The Task and Lease watches are separate streams: the new task's free Lease (the operator
+    gives one when the old task's Lease goes) may reach us before the old task's DELETED. That
+    deletion drops the old task's Lease, not the new one's: without it the new task would be
+    offered as never claimed, its claim would create a Lease that exists, and nothing more
+    would come to correct the picture."""
+    view = QueueView(_Clockless(), namespace="ns", queue="q")  # type: ignore[arg-type]  # never started
+
+    def task(uid: str) -> dict[str, Any]:
+        return {"metadata": {"name": "reborn", "namespace": "ns", "uid": uid,
+                             "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"queue": "q"}}
+    view._on_task("ADDED", task("uid-1"))
+    view.mark_taken("reborn", None)  # claimed by creating its Lease
+    view._on_lease("ADDED", record.encode(LeaseRecord(name="reborn", namespace="ns", queue="q", owner_uid="uid-2",
+                                                      resource_version="7")))
+    view._on_task("DELETED", task("uid-1"))
+    view._on_task("ADDED", task("uid-2"))
+    candidates, _ = view.choose("me/x", now_utc(), window=8)
+    assert [(t.uid, rec and rec.resource_version) for t, rec in candidates] == [("uid-2", "7")]
+
+
+@pytest.mark.unit
 def test_a_take_learnt_while_its_task_is_not_ours_to_view_holds_when_it_comes_to_us() -> None:
     """Without the operator's projection a taken task stays listed open: a shard that comes to
     us must not bring back as claimable what its viewers told taken while we did not view it,

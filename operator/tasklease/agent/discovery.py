@@ -673,15 +673,21 @@ class QueueView:
             self._taken[view.name] = tried
 
     def _forget(self, name: str, *, lease: bool) -> None:
-        """Caller holds the lock. Task `name` is out of the picture; with `lease`, its Lease too
-        (it no longer matters)."""
+        """Caller holds the lock. Task `name` is out of the picture; with `lease`, its Lease too,
+        as it no longer matters. Not a free Lease of another task, one made again under the
+        name: the Lease watch is a stream of its own, and may bring the new task's free Lease
+        before the Task watch tells the old one's end."""
+        rec = self._leases.get(name) if lease else None
+        if rec is not None:
+            known = self._task(name)
+            if known is not None and known.uid == rec.owner_uid:
+                del self._leases[name]
+                self._histories.pop(name, None)
+        if lease:
+            self._unheld.pop(name, None)
         self._tasks.pop(name, None)
         self._decoded.pop(name, None)
         self._taken.pop(name, None)
-        if lease:
-            self._unheld.pop(name, None)
-            self._leases.pop(name, None)
-            self._histories.pop(name, None)
         self._judge(name, self._now())
 
     def _notify(self, kind: str, obj: JSON) -> None:
