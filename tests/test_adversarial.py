@@ -680,8 +680,9 @@ def test_a_forged_lease_of_a_task_is_replaced_by_the_tasks_own_free_one(
         rec = record.decode(lease) if lease is not None else None
         return rec is not None and (rec.owner_uid, rec.state, rec.epoch) == (task["metadata"]["uid"], record.FREE, 0)
     wait_for(own_and_free, timeout=30, message="the task's own free Lease in place of the forgery")
-    reasons = [e["reason"] for e in kube.list(EVENTS, field_selector="involvedObject.name=forged")["items"]]
-    assert "LeaseRecreated" in reasons
+    # The Event is posted after the write that the wait above saw.
+    wait_for(lambda: "LeaseRecreated" in [e["reason"] for e in kube.list(
+        EVENTS, field_selector="involvedObject.name=forged")["items"]], timeout=30, message="the LeaseRecreated Event")
     honest = Agent(cluster.kube(namespace), identity=Identity(pod="honest", instance="1"))
     try:
         claimed_task = honest.claim("q", timeout=60)
