@@ -677,14 +677,12 @@ class QueueView:
         as it no longer matters. Not a free Lease of another task, one made again under the
         name: the Lease watch is a stream of its own, and may bring the new task's free Lease
         before the Task watch tells the old one's end."""
-        rec = self._leases.get(name) if lease else None
-        if rec is not None:
-            known = self._task(name)
-            if known is not None and known.uid == rec.owner_uid:
-                del self._leases[name]
-                self._histories.pop(name, None)
         if lease:
             self._unheld.pop(name, None)
+            rec = self._leases.get(name)  # the task is decoded only then: every finished task comes this way
+            if rec is not None and (known := self._task(name)) is not None and known.uid == rec.owner_uid:
+                del self._leases[name]
+                self._histories.pop(name, None)
         self._tasks.pop(name, None)
         self._decoded.pop(name, None)
         self._taken.pop(name, None)
