@@ -189,17 +189,6 @@ class Phase(enum.StrEnum):
 TERMINAL_PHASES: Final = tuple(p.value for p in Phase if p.terminal)
 
 
-class Condition(_Model):
-    """A standard Kubernetes condition (metav1.Condition)."""
-
-    type: str = Field(max_length=316)
-    status: str = Field(pattern="^(True|False|Unknown)$")
-    reason: str = Field(max_length=1024)
-    message: str = Field(default="", max_length=32768)
-    last_transition_time: datetime
-    observed_generation: int | None = Field(default=None, ge=0)
-
-
 class Attempt(_Model):
     """One attempt's story, newest last in status.history."""
 
@@ -228,7 +217,6 @@ class TaskStatus(_Model):
     not_before: datetime | None = Field(default=None, description="No attempt starts before this time (backoff).")
     result: str = Field(default="", max_length=MAX_RESULT_BYTES, description="What the last holder reported.")
     last_error: str = Field(default="", max_length=MAX_ERROR_CHARS)
-    conditions: list[Condition] = Field(default_factory=list)
     history: list[Attempt] = Field(default_factory=list, max_length=MAX_HISTORY)
     observed_generation: int = Field(default=0, ge=0)
 

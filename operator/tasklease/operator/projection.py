@@ -14,7 +14,7 @@ from typing import Any, Final
 from tasklease.api import models
 from tasklease.api.timestamps import parse_time
 from tasklease.protocol import LeaseRecord, record
-from tasklease.api.models import MAX_ERROR_CHARS, MAX_HISTORY, MAX_RESULT_BYTES, Condition, Phase, TaskStatus
+from tasklease.api.models import MAX_ERROR_CHARS, MAX_HISTORY, MAX_RESULT_BYTES, Phase, TaskStatus
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ def project(task: dict[str, Any], rec: LeaseRecord | None, *, old: TaskStatus, n
     # was lowered by hand (the next claim then starts above this, see rules.attempts_made).
     status.attempt = max(status.attempt, old.attempt)
     status.observed_generation = generation
-    status.conditions = _conditions(status, old.conditions, generation=generation, now=now)
     return status
 
 
@@ -123,36 +122,6 @@ _CUT: Final = "...[cut]"
 
 def _fit(value: str, limit: int) -> str:
     return value if len(value) <= limit else value[:limit - len(_CUT)] + _CUT
-
-
-def _conditions(status: TaskStatus, old: list[Condition], *, generation: int, now: datetime) -> list[Condition]:
-    """Two standard conditions: Held (an agent owns it now) and Finished (terminal)."""
-    wanted = {
-        "Held": (status.phase is Phase.RUNNING, status.reason if status.phase is Phase.RUNNING else "NotHeld",
-                 f"held by {status.holder} (attempt {status.attempt})" if status.holder else ""),
-        "Finished": (status.phase.terminal, status.reason if status.phase.terminal else "NotFinished",
-                     status.last_error if status.phase is Phase.FAILED else ""),
-    }
-    previous = {c.type: c for c in old}
-    out = []
-    for ctype, (true, reason, message) in wanted.items():
-        value = "True" if true else "False"
-        before = previous.get(ctype)
-        changed = before is None or before.status != value
-        out.append(Condition(type=ctype, status=value, reason=reason or ctype, message=message,
-                             last_transition_time=now if changed or before is None else before.last_transition_time,
-                             observed_generation=generation))
-    return out
-
-
-def same(a: TaskStatus, b: TaskStatus) -> bool:
-    """Equal for writing purposes: condition times do not count when nothing else moved."""
-    def strip(s: TaskStatus) -> dict[str, Any]:
-        d = s.model_dump(mode="json")
-        for c in d["conditions"]:
-            c.pop("last_transition_time", None)
-        return d
-    return strip(a) == strip(b)
 
 
 def transitions(old: TaskStatus, new: TaskStatus) -> list[Transition]:

@@ -406,7 +406,7 @@ class Reconciler:
         new = projection.project(task, rec, old=old, now=now)
         queue = entry.queue
         self.store.projected(key, queue, view, rec, phase=new.phase, now=now)
-        if (task.get("status") and projection.same(old, new)) or projection.unwritten(old, new):
+        if (task.get("status") and old == new) or projection.unwritten(old, new):
             return
         try:
             written = self.kube.replace(TASKS, projection.status_write(task, new), sub="status")

@@ -2,8 +2,8 @@
 
 Every Task and every Lease costs memory for as long as it exists, at every queue depth.
 Nested dicts are the largest form of a projected Task, compact JSON smaller, and deflated
-against a dictionary of what every Task has in common (keys, defaults, the two conditions,
-and a finished task's history, the most common kind once a queue has drained) smallest; the
+against a dictionary of what every Task has in common (keys, defaults, and a finished
+task's history, the most common kind once a queue has drained) smallest; the
 same holds for a Lease decoded into a `LeaseRecord` (datetimes, pydantic attempts). Both
 are inflated only when their task is reconciled (`make bench` and `python -m
 tasklease_dev.opmem` measure the operator's memory at depth). The dictionaries live in this
@@ -70,13 +70,10 @@ _AT = datetime(2000, 1, 1, tzinfo=UTC)
 def _common_task() -> tuple[JSON, JSON]:
     """Two made-up Tasks with every key and default a real one has: one waiting, and one
     finished as the projection writes it (held once, closed Succeeded)."""
-    condition = {"lastTransitionTime": "", "message": "", "observedGeneration": 1, "status": "False"}
     waiting = {"apiVersion": f"{models.GROUP}/{models.VERSION}", "kind": models.KIND,
                "metadata": {**dict.fromkeys(KEPT_METADATA, ""), "generation": 1},
                "spec": models.TaskSpec(queue="q").model_dump(mode="json", by_alias=True, exclude={"payload"}),
                "status": {**models.TaskStatus().model_dump(mode="json", by_alias=True, exclude_none=True),
-                          "conditions": [{**condition, "reason": "NotHeld", "type": "Held"},
-                                         {**condition, "reason": "NotFinished", "type": "Finished"}],
                           "reason": "Waiting"}}
     closed = record.decode(_common_lease()[1])
     done = projection.project({**waiting, "metadata": {"uid": closed.owner_uid, "generation": 1}}, closed,
