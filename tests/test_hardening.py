@@ -548,8 +548,9 @@ def test_operator_deadline_lowered_max_attempts_orphans_and_metrics(
     make_task(kube, "reborn", queue="rb")
     wait_for(lambda: (kube.get_or_none(LEASES, "reborn") or {}).get("metadata", {}).get("ownerReferences", [{}])[0]
              .get("uid") != old["metadata"]["uid"], timeout=60, message="the old Lease removed")
-    # A new agent, which knows nothing of the old task. That a claim of the new task by the agent that
-    # held the old one can be told at once that the task was deleted is a known bug, not this test's subject.
+    # A new agent, which knows nothing of the old task. The wait above ends as soon as the old Lease is
+    # gone, and the agent that held the old task may still have it in its view then: a claim from that
+    # view makes a Lease for the deleted task, and that agent is told at once that the task was deleted.
     newcomer = Agent(kube, identity=Identity(pod="rb", instance="1"))
     fresh = newcomer.claim("rb", timeout=30)
     assert fresh.epoch == 1

@@ -219,6 +219,22 @@ def test_a_forged_lease_gone_is_replaced_by_a_free_one(remover: str) -> None:
         "a Lease of another task by its name went: gave it a free Lease at attempt 0, for the agents to see"]
 
 
+def test_a_status_read_back_as_written_is_not_written_again() -> None:
+    """The operator's own status write comes back through the Task watch: reconciling that
+    version must find nothing to write (a write per event would feed on itself)."""
+    kube = FakeKube()
+    r = reconciler(kube, Clock(1000.0))
+    r.on_task("ADDED", kube.put(TASKS, task()))
+    lease = kube.put(LEASES, held_lease())
+    r.on_lease("ADDED", lease, record.decode(lease))
+    r.reconcile(KEY)
+    status_writes = [body for verb, _, body in kube.writes if verb == "replace/status"]
+    assert [w["status"]["phase"] for w in status_writes] == ["Running"]
+    r.on_task("MODIFIED", kube.get_or_none(TASKS, "t", namespace="ns"))
+    r.reconcile(KEY)
+    assert [verb for verb, _, _ in kube.writes].count("replace/status") == 1
+
+
 def test_a_deleted_holder_pod_queues_the_tasks_it_held() -> None:
     kube = FakeKube()
     r = reconciler(kube, Clock(1000.0))
