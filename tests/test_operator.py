@@ -75,8 +75,11 @@ def test_a_killed_agents_task_is_requeued_within_the_lease_duration_and_complete
                                   "rescued"),
                     log=tmp_path / "other.log", env={"POD_NAME": "rescuer"})
     assert other.wait(60) == 0, other.output()
-    status = wait_for(lambda: _phase(kube, "orphaned") == "Succeeded" and kube.get(TASKS, "orphaned")["status"],
-                      message="status Succeeded")
+    # The documented wait for a task (its status has no conditions): kubectl waits on the phase.
+    waited = cluster.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "task/orphaned", "-n", namespace,
+                             "--timeout=60s", check=False)
+    assert waited.returncode == 0, waited.stderr
+    status = kube.get(TASKS, "orphaned")["status"]
     assert status["result"] == "rescued"
     assert [(a["attempt"], a["outcome"]) for a in status["history"]] == [(1, "Expired"), (2, "Succeeded")]
     assert status["history"][0]["holder"] == claimed["holder"]
