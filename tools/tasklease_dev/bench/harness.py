@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,10 +56,15 @@ class Workers:
                  queues: int = 1) -> None:
         self.mode, self.tasks, self.measure = mode, tasks, measure
         config = namespace_config(kube, kubeconfig)
+        # A byte per task completed, from every agent: the case is over when it holds them all.
+        fd, progress = tempfile.mkstemp(prefix="tasklease-bench-", suffix=".progress")
+        os.close(fd)
+        self.progress = Path(progress)
         self.procs = [subprocess.Popen([sys.executable, "-m", "tasklease_dev.bench", "--worker", mode,
                                         "--kubeconfig", str(config), "--index", str(i), "--tasks", str(tasks),
                                         "--workers", str(workers), "--max-tasks", str(max_tasks),
-                                        "--seconds", str(seconds), "--queues", str(queues)],
+                                        "--seconds", str(seconds), "--queues", str(queues),
+                                        "--progress", progress],
                                        stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
                       for i in range(workers)]
         self.plane = {**control_plane(kubeconfig), **(beside or {})}
@@ -95,6 +102,10 @@ class Workers:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.close()
+        self.progress.unlink(missing_ok=True)
 
     def go(self, on_go: Callable[[], None] | None = None) -> Results:
         """Start the clock and every worker; their figures once all have ended. The CPU of the
@@ -102,33 +113,44 @@ class Workers:
         runs to the last completion, or with `measure`, to the `measure`th of all."""
         reports = []
         # The control plane's CPU, sampled: what it used up to the last completion, not up to the
-        # workers' exit (an agent waits `idle_timeout` for more work before it leaves).
+        # workers' exit (the agents leave once told that every task is done, a moment later).
         samples: list[tuple[float, dict[str, float]]] = []
         sampled = threading.Event()
 
         def sample() -> None:
+            target = self.measure or self.tasks
             while not sampled.wait(_SAMPLE_S):
                 samples.append((time.time(), process_cpu_s(self.plane)))
+                if target and self.progress.stat().st_size >= target:
+                    self._say("stop")  # every task is done: the agents may leave
+                    target = 0
         sampler = threading.Thread(target=sample, daemon=True)
         try:
             plane_before = process_cpu_s(self.plane)
             started = time.time()
-            for proc in self.procs:
-                assert proc.stdin is not None
-                with contextlib.suppress(BrokenPipeError):  # a worker gone: its report is missing below
-                    proc.stdin.write("go\n")
-                    proc.stdin.flush()
+            self._say("go")
             sampler.start()
             if on_go is not None:
                 on_go()
             for proc in self.procs:
-                out, _ = proc.communicate(timeout=3600)
+                assert proc.stdout is not None
+                out = proc.stdout.read()  # not `communicate`: it would close stdin, which says stop
+                proc.wait()
                 reports.append(json.loads(out.strip().splitlines()[-1]))
             samples.append((time.time(), process_cpu_s(self.plane)))
         finally:
             sampled.set()
             self.kill()
         return self._results(reports, started, plane_before, samples)
+
+    def _say(self, word: str) -> None:
+        """A line to every worker's stdin."""
+        for proc in self.procs:
+            assert proc.stdin is not None
+            # A worker gone: its report is missing below; a case over: its pipes are closed.
+            with contextlib.suppress(BrokenPipeError, ValueError):
+                proc.stdin.write(f"{word}\n")
+                proc.stdin.flush()
 
     def _results(self, reports: list[Results], started: float, plane_before: dict[str, float],
                  samples: list[tuple[float, dict[str, float]]]) -> Results:

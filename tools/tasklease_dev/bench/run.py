@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tasks", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--queues", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=10.0, help=argparse.SUPPRESS)
+    parser.add_argument("--progress", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker.run(args)))

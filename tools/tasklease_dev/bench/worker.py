@@ -2,7 +2,9 @@
 
 Started by `harness.Workers` as `python -m tasklease_dev.bench --worker <mode>`, one process
 per worker (as agents are separate pods); it prints `ready <seconds>`, waits for `go` on its
-stdin, works, and prints its report as one JSON line.
+stdin, works, and prints its report as one JSON line. An SDK agent works until the case's
+tasks are all done: it adds a byte to the case's `--progress` file per task it completes,
+and the case says `stop` on its stdin once the file holds them all.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ THROUGHPUT_FLOORS = ("raw", "watched", "protocol")  # the operator-off section's
 MODES = (*FLOORS, "sdk", "idle", "first")
 
 Take = Callable[[str], Callable[[], Any]]  # takes a task (Conflict if another worker did); returns its letting go
+# An agent stays at work until its case is over, as the agents of a Deployment do: one that left
+# once its own share was done would move its shards to its peers mid-drain, and their new
+# watches would list them again. This long without a task, it leaves anyway (the case failed).
+_GIVE_UP_S = 60.0
 
 
 class Meter:
@@ -131,6 +137,7 @@ def run(args: argparse.Namespace) -> Results:
             report = {"wakeups": view.wakeups - wakeups, "cpu_s": cpu_s() - cpu}
         else:
             claim, complete = agent.protocol.claim, agent.protocol.complete
+            progress = os.open(args.progress, os.O_WRONLY | os.O_APPEND)
 
             def timed_claim(*a: Any, **kw: Any) -> Held:
                 nonlocal conflicts
@@ -149,13 +156,18 @@ def run(args: argparse.Namespace) -> Results:
                 meter.mark()
                 last = time.time()
                 completions.append(last)
+                os.write(progress, b".")
                 return held
             agent.protocol.claim = timed_claim  # type: ignore[method-assign]
             agent.protocol.complete = timed_complete  # type: ignore[method-assign]
+            stop = threading.Event()
+            threading.Thread(target=_wait_for_stop, args=(stop,), daemon=True).start()
             cpu = cpu_s()
             meter.mark()
-            done = agent.work(queue, lambda task: "ok", idle_timeout=2.0, max_tasks=args.max_tasks or None)
+            done = agent.work(queue, lambda task: "ok", idle_timeout=_GIVE_UP_S, stop=stop,
+                              max_tasks=args.max_tasks or None)
             report = {"cpu_s": cpu_s() - cpu}
+            os.close(progress)
         report["watch_events"] = meter.watch_events - events
         agent.close()
         writes = agent.member_writes()
@@ -232,6 +244,12 @@ def _wait_for_go() -> None:
     """A worker's start: a line on its stdin from `Workers.go` (a blocked read costs no CPU
     while the cases before it run)."""
     sys.stdin.readline()
+
+
+def _wait_for_stop(stop: threading.Event) -> None:
+    """The case is over: `stop` on our stdin from `Workers.go` (or its end, the case gone)."""
+    sys.stdin.readline()
+    stop.set()
 
 
 def _first(args: argparse.Namespace) -> Results:
