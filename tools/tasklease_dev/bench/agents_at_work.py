@@ -94,7 +94,9 @@ def operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: floa
             for i in range(tasks):
                 time.sleep(max(start + i / rate - time.monotonic(), 0))
                 create(kube, f"flow-{i:06d}", queue="bench")
-        report = run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=tasks,
+        # The agents stay until the operator has projected their last claims (the lag's target):
+        # one that left sooner would tell them in its leaving write, a write per agent and stop.
+        report = run_workers("sdk", kube, kubeconfig=kubeconfig, workers=agents, tasks=tasks, linger_s=2.0,
                               on_go=lambda: threading.Thread(target=produce, daemon=True).start())
         until(lambda: len(succeeded) >= tasks, 300, "every task projected Succeeded")
         status_writes = metric(port, "tasklease_status_writes_total", 'result="ok"')

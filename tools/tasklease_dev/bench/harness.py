@@ -53,8 +53,9 @@ class Workers:
 
     def __init__(self, mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
                  seconds: float = 0.0, beside: dict[str, int] | None = None, measure: int = 0,
-                 queues: int = 1) -> None:
-        self.mode, self.tasks, self.measure = mode, tasks, measure
+                 queues: int = 1, linger_s: float = 0.0) -> None:
+        """`linger_s`: how long the agents stay once every task is done."""
+        self.mode, self.tasks, self.measure, self.linger_s = mode, tasks, measure, linger_s
         config = namespace_config(kube, kubeconfig)
         # A byte per task completed, from every agent: the case is over when it holds them all.
         fd, progress = tempfile.mkstemp(prefix="tasklease-bench-", suffix=".progress")
@@ -118,10 +119,12 @@ class Workers:
         sampled = threading.Event()
 
         def sample() -> None:
-            target = self.measure or self.tasks
+            target, done_at = self.measure or self.tasks, math.inf
             while not sampled.wait(_SAMPLE_S):
                 samples.append((time.time(), process_cpu_s(self.plane)))
-                if target and self.progress.stat().st_size >= target:
+                if target and done_at == math.inf and self.progress.stat().st_size >= target:
+                    done_at = time.monotonic()
+                if target and time.monotonic() >= done_at + self.linger_s:
                     self._say("stop")  # every task is done: the agents may leave
                     target = 0
         sampler = threading.Thread(target=sample, daemon=True)
@@ -186,10 +189,10 @@ class Workers:
 
 def run_workers(mode: str, kube: Kube, *, kubeconfig: Path, workers: int, tasks: int, max_tasks: int = 0,
                  seconds: float = 0.0, on_go: Callable[[], None] | None = None,
-                 beside: dict[str, int] | None = None, measure: int = 0) -> Results:
+                 beside: dict[str, int] | None = None, measure: int = 0, linger_s: float = 0.0) -> Results:
     """One case: its workers started, then let go (`Workers`)."""
     return Workers(mode, kube, kubeconfig=kubeconfig, workers=workers, tasks=tasks, max_tasks=max_tasks,
-                    seconds=seconds, beside=beside, measure=measure).go(on_go)
+                    seconds=seconds, beside=beside, measure=measure, linger_s=linger_s).go(on_go)
 
 
 
