@@ -143,6 +143,8 @@ class Workers:
             samples.append((time.time(), process_cpu_s(self.plane)))
         finally:
             sampled.set()
+            if sampler.is_alive():
+                sampler.join()  # before `kill` removes the progress file it reads
             self.kill()
         return self._results(reports, started, plane_before, samples)
 
