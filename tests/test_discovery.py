@@ -532,6 +532,22 @@ def test_a_claiming_member_tells_at_once_when_it_moves_down_a_band_or_is_held_ba
         assert member.writes.told == 2
 
 
+def test_a_theft_is_told_only_if_the_operator_has_not_projected_it_by_then(kube: Kube) -> None:
+    """A task taken from another member's share would have its owner and the other thieves
+    race for it, but the operator's projection usually tells them first, at no write of ours:
+    the thief tells it `THEFT_TELL_S` later, unless it saw the projection meanwhile."""
+    with _member_heard(kube, "thefts", "thief/x", 1) as (member, said):
+        took_at = time.monotonic()
+        member.took("s-1", created=True, stolen=True)
+        member.took("s-2", created=True, stolen=True)
+        member.seen("MODIFIED", {"metadata": {"name": "s-1"}, "status": {"phase": "Running", "attempt": 1}})
+        wait_for(lambda: any(m.took for m in said), message="the unprojected theft told")
+        told_at = time.monotonic()
+        first = next(m for m in said if m.took)
+        assert first.took == ("s-2",) and first.claiming  # still claiming: the theft's write, not the stop's
+        assert told_at - took_at >= members.THEFT_TELL_S
+
+
 def test_a_member_whose_lease_the_operator_expired_is_no_peer_until_it_writes_again(kube: Kube) -> None:
     """A task freed because its holder went silent is divided among the members left at once,
     not left to the silent one until its member Lease lapses (a replacement agent with a new

@@ -2,11 +2,12 @@
 
 Written at once on joining, then every third of its duration (liveness); when we start
 claiming, and when we stop (`QUIET_S` after our last claim), telling then of the claims the
-operator did not project; at once for a theft, when a peer comes or goes, when we move to a lower
-band or are held back from one, if there is anything to tell; every `TELL_MAX` untold
-claims; when a claim has waited `WAITING_S` for a task (that it waits; that it stopped is
-said by the next write). On `close`, it tells what is left to tell, then is deleted (or,
-where the agent may not delete it, says the agent left).
+operator did not project; for a theft the operator did not project within `THEFT_TELL_S`; at
+once when a peer comes or goes, when we move to a lower band or are held back from one, if
+there is anything to tell; every `TELL_MAX` untold claims; when a claim has waited
+`WAITING_S` for a task (that it waits; that it stopped is said by the next write). On
+`close`, it tells what is left to tell, then is deleted (or, where the agent may not delete
+it, says the agent left).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Final
 
 from tasklease.api import errors
 from tasklease.kube import JSON
-from tasklease.protocol.members import DURATION_S, QUIET_S, TELL_MAX, WAITING_S, MemberLease
+from tasklease.protocol.members import DURATION_S, QUIET_S, TELL_MAX, THEFT_TELL_S, WAITING_S, MemberLease
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class Membership:
         self._holding = holding
         self._untold: dict[str, None] = {}  # claims to tell of, in order
         self._untold_top = 0  # the highest priority among them
+        self._thefts: set[str] = set()  # untold claims taken from another member's share
+        self._thefts_due = math.inf  # when they are told, unless seen projected first (monotonic)
         self._urgent = False  # tell now
         self._claimed_at = -math.inf  # our last claim (monotonic)
         self._claiming = False  # what our next write says
@@ -67,15 +70,16 @@ class Membership:
         """We claimed `name`, of band `priority`. A claim of a free Lease told our peers itself
         (the Lease left their watch); one that `created` its Lease is told by the operator's
         projection of the Task or, failing that, by us when we stop claiming (until then our
-        peers leave our share to us); at once if we `stole` it from another member, whose other
-        thieves hold back only briefly, or if we moved to a lower band than one we took untold
-        (our peers hold their lower bands back for it)."""
+        peers leave our share to us); `THEFT_TELL_S` later if we `stole` it from another member
+        and the operator has not projected it by then (its owner and its other thieves would
+        race for it), or at once if we moved to a lower band than one we took untold (our peers
+        hold their lower bands back for it)."""
         with self._wake:
             self._claimed_at = time.monotonic()
-            # The thread wakes only for a write due now: the first claim says we claim, a theft,
-            # a lower band or a full list tells. Waking it for every claim cost a thread switch
-            # per task.
-            urgent = stolen or (bool(self._untold) and priority < self._untold_top)
+            # The thread wakes only when its next write comes sooner: the first claim says we
+            # claim, a lower band or a full list tells, a theft may. Waking it for every claim
+            # cost a thread switch per task.
+            urgent = bool(self._untold) and priority < self._untold_top
             sooner = not self._claiming or (urgent and not self._urgent)
             self._claiming = True
             self._urgent = self._urgent or urgent
@@ -83,6 +87,10 @@ class Membership:
                 self._untold_top = max(self._untold_top, priority) if self._untold else priority
                 self._untold[name] = None
                 sooner = sooner or len(self._untold) == TELL_MAX
+                if stolen:
+                    self._thefts.add(name)
+                    sooner = sooner or self._thefts_due == math.inf
+                    self._thefts_due = min(self._thefts_due, time.monotonic() + THEFT_TELL_S)
             if sooner:
                 self._wake.notify()
 
@@ -117,6 +125,9 @@ class Membership:
         if name in self._untold and (kind == "DELETED" or (task.get("status") or {}).get("attempt")):
             with self._wake:
                 self._untold.pop(name, None)
+                self._thefts.discard(name)
+                if not self._thefts:
+                    self._thefts_due = math.inf
 
     def peers_changed(self, holder: str) -> None:
         """`holder` joined or left the queue: the tasks are divided anew, and some of what we
@@ -145,19 +156,21 @@ class Membership:
             due = last + DURATION_S / 3 - now
         if self._waits and not self._said_waiting:
             due = min(due, min(self._waits) + WAITING_S - now)
-        return max(due, not_before - now)
+        return max(min(due, self._thefts_due - now), not_before - now)
 
     def _next(self, *, leaving: bool) -> tuple[list[str], bool, bool]:
         """Caller holds the lock. What the write about to be made says: the claims it tells of,
         whether we claim, and whether we wait in a claim. All the claims once we stopped
-        claiming (or are `leaving`), or it is urgent (a theft, a peer that came or went, a lower band), or they
-        are many; none while we claim (our peers leave our share to us)."""
+        claiming (or are `leaving`), or it is urgent (a peer that came or went, a lower band), or
+        a theft went unprojected (`THEFT_TELL_S`), or they are many; none while we claim (our
+        peers leave our share to us)."""
         now = time.monotonic()
         self._claiming = self._claiming and not leaving and now - self._claimed_at < QUIET_S
         waiting = not leaving and any(now - since >= WAITING_S for since in self._waits)
-        if not (self._urgent or not self._claiming or len(self._untold) >= TELL_MAX):
+        if not (self._urgent or not self._claiming or len(self._untold) >= TELL_MAX or self._thefts_due <= now):
             return [], True, waiting
         told, self._untold, self._urgent = list(self._untold), {}, False
+        self._thefts, self._thefts_due = set(), math.inf
         return told, self._claiming, waiting
 
     def _run(self) -> None:

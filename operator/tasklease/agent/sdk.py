@@ -460,7 +460,7 @@ class Agent:
     def _pick(self, view: QueueView, member: Membership,
               stop: threading.Event | None) -> tuple[list[Candidate], float, bool]:
         """What to try now, how long to wait before looking again if none of it is won, and
-        whether a win is told as ours are (not a theft, told at once)."""
+        whether a win is told as ours are (not as a theft, `Membership.took`)."""
         candidates, division = self._look(view)
         if view.partial and not division.held_back and not division.wait_s and (
                 not candidates or candidates[0][0].spec.priority < DEFAULT_PRIORITY):

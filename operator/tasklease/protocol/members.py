@@ -57,6 +57,10 @@ DURATION_S: Final = 10
 QUIET_S: Final = 5.0
 # A claiming member tells once it has this many untold claims: its annotation stays small.
 TELL_MAX: Final = 256
+# A claim taken from another member's share (a theft) is told this long after it, unless the
+# operator's projection told it first: its owner and the other thieves would race for it, but
+# the projection usually reaches them sooner, at no write of the thief's.
+THEFT_TELL_S: Final = 1.0
 # A claim that has waited this long for a task says so (`ANN_WAITING`); shorter waits, a claim
 # lost to a peer at work, say nothing: a busy queue's members write nothing per claim.
 WAITING_S: Final = 1.0
