@@ -13,9 +13,9 @@ from typing import Any
 
 from tasklease.agent.sdk import Agent, ClaimedTask, Identity
 from tasklease.api.timestamps import parse_time
-from tasklease.kube import JSON, TASKS, Kube
+from tasklease.kube import JSON, LEASES, TASKS, Kube
 from tasklease.kube.watching import Reflector
-from tasklease.protocol import Held
+from tasklease.protocol import Held, members
 from tasklease_dev.bench.floors import floor_lease, get_put_floor
 from tasklease_dev.bench.harness import run_workers
 from tasklease_dev.bench.procs import metric, operator, ready, status_mb, stop, until
@@ -71,7 +71,11 @@ def renewals(kube: Kube, *, kubeconfig: Path, held: int = 40, idle: int = 4, sec
 
 def operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: float = 100.0,
                    agents: int = 8) -> Results:
-    """Tasks arrive at `rate`/s, `agents` drain them, the operator projects: writes and lag."""
+    """Tasks arrive at `rate`/s, `agents` drain them, the operator projects: writes and lag.
+    The first task arrives once every agent waits in a claim, as the agents of a flow do
+    between its tasks: an agent that has yet to say so (`members.WAITING_S`) is not counted on
+    to take its shards' tasks, and its peers read the queue for them too (`Agent._beyond`),
+    taking some that their own watches never show projected, which they tell in a write."""
     op, port = operator(kube, kubeconfig)
     succeeded: dict[str, float] = {}
     lags: list[float] = []
@@ -90,6 +94,7 @@ def operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: floa
         until(lambda: ready(port), 120, "the operator to be ready")
 
         def produce() -> None:
+            until(lambda: _waiting(kube) >= agents, 60, "every agent waiting in a claim")
             start = time.monotonic()
             for i in range(tasks):
                 time.sleep(max(start + i / rate - time.monotonic(), 0))
@@ -116,6 +121,12 @@ def operator_flow(kube: Kube, *, kubeconfig: Path, tasks: int = 1000, rate: floa
             "member_liveness_per_agent_min": report["member_liveness"] / agents / minutes,
             "projection_lag_p50_s": statistics.median(lags), "projection_lag_p99_s": p99(lags),
             "flow_conflicts_per_task": report["conflicts"] / tasks}
+
+
+def _waiting(kube: Kube) -> int:
+    """How many members of queue "bench" say that a claim of theirs waits for a task."""
+    return sum(member.holder != "" and member.waiting for member in map(members.decode, kube.list(
+        LEASES, namespace=kube.namespace, label_selector=members.selector("bench"))["items"]))
 
 
 def cli_and_operator_at_depth(kube: Kube, *, kubeconfig: Path, depth: int, suffix: str,
