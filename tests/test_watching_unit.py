@@ -67,16 +67,23 @@ class Scripted:
         yield from ({"type": kind, "object": obj} for kind, obj in self.events)
 
 
-def run(kube: Scripted, *, known: bool) -> tuple[list[str], Reflector]:
+# Who keeps what the picture holds: the listener, which names it (`known`), also asked one
+# name at a time (`knows`); or the reflector's store, which keeps each object's identity.
+KEEPERS = ["listener-keeps-names", "listener-answers-names", "store-keeps-identities"]
+
+
+def run(kube: Scripted, *, keeper: str) -> tuple[list[str], Reflector]:
     seen: list[str] = []
     names: set[str] = set()
+    known = keeper != "store-keeps-identities"
 
     def listener(kind: str, obj: JSON) -> None:
         seen.append(f"{kind} {obj['metadata']['name']}")
         (names.discard if kind == "DELETED" else names.add)(obj["metadata"]["name"])
     reflector = Reflector(kube, TASKS, namespace="ns", listener=listener,  # type: ignore[arg-type]
                           field_selector=OPEN, watch_field_selector="spec.queue=q", keep_objects=False,
-                          known=(lambda: names) if known else None, watch_list=True)
+                          known=(lambda: names) if known else None,
+                          knows=names.__contains__ if keeper == "listener-answers-names" else None, watch_list=True)
     kube.released.clear()
     reflector._list_and_watch()  # the streaming list, which ends at its bookmark
     assert reflector.synced.is_set() and ("list", OPEN) in kube.requests
@@ -85,8 +92,8 @@ def run(kube: Scripted, *, known: bool) -> tuple[list[str], Reflector]:
     return seen, reflector
 
 
-@pytest.mark.parametrize("known", [True, False], ids=["listener-keeps-names", "store-keeps-identities"])
-def test_a_wider_watch_is_narrowed_to_what_the_list_selects(known: bool) -> None:
+@pytest.mark.parametrize("keeper", KEEPERS)
+def test_a_wider_watch_is_narrowed_to_what_the_list_selects(keeper: str) -> None:
     kube = Scripted(
         listed=[task("a", "5"), task("b", "6", "Running")],
         events=[("MODIFIED", task("a", "11", "Succeeded")),  # finishes: it leaves the picture
@@ -97,17 +104,17 @@ def test_a_wider_watch_is_narrowed_to_what_the_list_selects(known: bool) -> None
                 ("MODIFIED", task("b", "16", "Failed")),
                 ("MODIFIED", task("b", "17", "Pending")),  # back among the open ones
                 ("DELETED", task("c", "18", "Running"))])
-    seen, reflector = run(kube, known=known)
+    seen, reflector = run(kube, keeper=keeper)
     assert sorted(kube.requests) == [("list", OPEN), ("version", ""), ("watch", "spec.queue=q")]
     assert kube.versions == ["9", "9"]  # the list as of the version the watch starts from, or later
     assert seen == ["ADDED a", "ADDED b", "DELETED a", "ADDED c", "MODIFIED c", "DELETED b", "ADDED b",
                     "DELETED c"]
     assert reflector._rv == "18"  # every event moves the version on, told or not
-    assert sorted(reflector.store) == ([] if known else ["b"])
+    assert sorted(reflector.store) == ([] if keeper != "store-keeps-identities" else ["b"])
 
 
-@pytest.mark.parametrize("known", [True, False], ids=["listener-keeps-names", "store-keeps-identities"])
-def test_what_changed_while_the_list_was_read_is_told_after_it_each_object_as_it_is_last(known: bool) -> None:
+@pytest.mark.parametrize("keeper", KEEPERS)
+def test_what_changed_while_the_list_was_read_is_told_after_it_each_object_as_it_is_last(keeper: str) -> None:
     """The watch opened before the list holds every change since the version the list was read
     at or after: some are in the list already, and only each object's last one is news. None
     is told before the list has ended, and the watch never asks for the list's own version."""
@@ -120,13 +127,13 @@ def test_what_changed_while_the_list_was_read_is_told_after_it_each_object_as_it
                 ("MODIFIED", task("d", "15", "Succeeded")),
                 ("MODIFIED", task("d", "16"))],  # and retried: open again, as the list showed it
         events=[("MODIFIED", task("a", "17", "Succeeded"))])
-    seen, reflector = run(kube, known=known)
+    seen, reflector = run(kube, keeper=keeper)
     assert seen[:3] == ["ADDED a", "ADDED b", "ADDED d"]  # the list
     # While it was read: the last change of each.
     assert sorted(seen[3:7]) == ["ADDED c", "DELETED b", "MODIFIED a", "MODIFIED d"]
     assert seen[7:] == ["DELETED a"]  # after it
     assert "10" not in kube.versions and reflector._rv == "17" and reflector.lists == 1
-    assert sorted(reflector.store) == ([] if known else ["c", "d"])
+    assert sorted(reflector.store) == ([] if keeper != "store-keeps-identities" else ["c", "d"])
 
 
 def test_too_many_objects_changed_while_the_list_was_read_and_the_watch_starts_after_it(
@@ -137,7 +144,7 @@ def test_too_many_objects_changed_while_the_list_was_read_and_the_watch_starts_a
     monkeypatch.setattr(watching, "_PINNED_MAX", 2)
     kube = Scripted(listed=[task("a", "5")], events=[],
                     during=[("ADDED", task(name, rv)) for name, rv in (("b", "11"), ("c", "12"), ("d", "13"))])
-    seen, reflector = run(kube, known=False)
+    seen, reflector = run(kube, keeper="store-keeps-identities")
     assert seen == ["ADDED a"] and reflector._rv == "10"  # the list's: nothing that waited was told
     reflector._list_and_watch()
     assert kube.versions[-1] == "10" and kube.requests[-1] == ("watch", "spec.queue=q")

@@ -170,11 +170,17 @@ class TaskWatches:
         return Reflector(self._kube, TASKS, namespace=self._namespace, field_selector=self._selectors[0],
                          watch_field_selector=self._selectors[1], label_selector=labels,
                          listener=lambda kind, obj: self._on(key, kind, obj), keep_objects=False,
-                         known=lambda: self._told_by(key), watch_list=True, batch_s=self._batch_s, since=since)
+                         known=lambda: self._told_by(key), knows=lambda name: self._tells(key, name),
+                         watch_list=True, batch_s=self._batch_s, since=since)
 
     def _told_by(self, key: int) -> list[str]:
         with self._lock:
             return [n for n, k in self._told.items() if k == key]
+
+    def _tells(self, key: int, name: str) -> bool:
+        """`name in self._told_by(key)`, at every event of watch `key`: without the list."""
+        with self._lock:
+            return self._told.get(name) == key
 
     def _on(self, key: int, kind: str, obj: JSON) -> None:
         name = obj["metadata"]["name"]

@@ -69,7 +69,9 @@ class Reflector:
     object's name: the store then stays empty, and a deletion found by a relist carries the
     name alone; what it answers as a list starts is what that list is compared with (a copy,
     from a listener that also learns names elsewhere: one learned during the list, which the
-    list may not show, is no deletion). `namespace=None` watches every namespace; the store
+    list may not show, is no deletion). `knows(name)`: whether `name` is in `known()`, answered
+    without making it (the watch asks at every event: a question of one name each time).
+    `namespace=None` watches every namespace; the store
     is then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
     as a streaming list (see the module), `pages` counting every `page_size` objects.
@@ -88,8 +90,8 @@ class Reflector:
     def __init__(self, kube: Kube, resource: Resource, *, namespace: str | None, listener: Listener,
                  label_selector: str = "", field_selector: str = "", watch_timeout_s: int = 300,
                  keep_objects: bool = True, known: Callable[[], Collection[str]] | None = None,
-                 page_size: int = 500, since: str = "", watch_list: bool = False,
-                 watch_field_selector: str = "", batch_s: float = 0.0) -> None:
+                 knows: Callable[[str], bool] | None = None, page_size: int = 500, since: str = "",
+                 watch_list: bool = False, watch_field_selector: str = "", batch_s: float = 0.0) -> None:
         self.kube = kube
         self.resource = resource
         self.namespace = namespace
@@ -101,6 +103,7 @@ class Reflector:
         self.watch_timeout_s = watch_timeout_s
         self.keep_objects = keep_objects
         self.known = known
+        self._knows = knows
         self.page_size = page_size
         self.watch_list = watch_list
         self.batch_s = batch_s
@@ -198,6 +201,8 @@ class Reflector:
 
     def has(self, name: str) -> bool:
         """Whether the object `name` is in the picture (in `known`, when the listener keeps it)."""
+        if self._knows is not None:
+            return self._knows(name)
         return name in (self.known() if self.known is not None else self.store)
 
     def _relist(self) -> None:
