@@ -70,9 +70,9 @@ class Reflector:
     name alone; what it answers as a list starts is what that list is compared with (a copy,
     from a listener that also learns names elsewhere: one learned during the list, which the
     list may not show, is no deletion). `knows(name)`: whether `name` is in `known()`, answered
-    without making it (the watch asks at every event: a question of one name each time).
-    `namespace=None` watches every namespace; the store
-    is then keyed by `namespace/name`. `since`: a resourceVersion to watch from at once, for a
+    without making it (a narrowed watch asks at every event, a relist for each name it did not
+    bring again). `namespace=None` watches every namespace; the store is then keyed by
+    `namespace/name`. `since`: a resourceVersion to watch from at once, for a
     caller that has just listed (no first list; `synced` waits for a relist). `watch_list`: list
     as a streaming list (see the module), `pages` counting every `page_size` objects.
     `batch_s`: the watch after the list reads a busy stream a batch at a time, each event up
