@@ -207,10 +207,15 @@ def test_a_streaming_list_misses_nothing_and_the_watch_opened_before_it_goes_on(
     # A deep queue listed by many agents at once takes minutes: more than a watch's timeout.
     assert timeouts == [LIST_TIMEOUT_S, LIST_TIMEOUT_S] and LIST_TIMEOUT_S > 300
     assert sorted(seen) == sorted(f"ADDED s-{i:02d}" for i in range(25))
+    tellers: set[str] = set()
+    seen_too = reflector.listener
+    reflector.listener = lambda kind, obj: (tellers.add(threading.current_thread().name), seen_too(kind, obj))[1]
     kube.create(LEASES, lease("s-late", "stream"))
     kube.delete(LEASES, "s-00")
     wait_for(lambda: "DELETED s-00" in seen and "ADDED s-late" in seen, message="the changes after the list")
     assert reflector.watches == 2  # the list, and the watch opened before it
+    # Its events are told by the thread that reads them, not relayed to the list's thread.
+    assert tellers == {"watch-leases-pinned"}
     reflector.stop()
     assert set(reflector.store) == {f"s-{i:02d}" for i in range(1, 25)} | {"s-late"}
 

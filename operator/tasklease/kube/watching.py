@@ -333,18 +333,25 @@ class Reflector:
                                      label_selector=self.label_selector, field_selector=self.watch_field_selector,
                                      timeout_s=self.watch_timeout_s, hangup=self._hangup, batch_s=self.batch_s)
         else:
-            events = pinned.events()
+            events = pinned.events(tell=self._take)
         try:
             for event in events:
                 if self._stop.is_set():
                     return
-                self._event(event["type"], event["object"])
                 if pinned is None or pinned.caught_up:  # only now: another thread reads it meanwhile
-                    self.delivered = self._rv
+                    self._take(event)
+                else:
+                    self._event(event["type"], event["object"])
         finally:
             if pinned is not None:
                 pinned.stop()
                 self._pinned = None
+
+    def _take(self, event: JSON) -> None:
+        """An event of the watch once everything before it is told."""
+        if not self._stop.is_set():
+            self._event(event["type"], event["object"])
+            self.delivered = self._rv
 
     def _event(self, kind: str, obj: JSON) -> None:
         if kind == "ERROR":
@@ -399,17 +406,20 @@ class Reflector:
 
 
 class _Pinned:
-    """A watch opened before a list, whose events wait until the list has ended: then those
-    that came while it was read are told, each object's last one only (the list showed it as
-    of a version no older than the watch's first, and its last event is its newest state),
-    and the rest as they come, until the watch ends. Its own thread reads it: the list's
-    thread is busy with the list. What waits is one event per object changed: at most
-    `_PINNED_MAX` whole, and `_PINNED_GONE_MAX` more of a narrowed watch's objects that left
-    the list's selection (their name and version only: all a reflector tells of them is a
-    DELETED). Beyond that the watch is given up, and the one after the list is asked for
-    from the list's own version, as if there had been none. Once the list has ended, at most
-    `_PINNED_MAX` events wait for the reflector to read them: the reader then reads no more
-    (and an API server ends the watch of a reader that falls behind)."""
+    """A watch opened before a list, whose events wait until the list has ended: then those that
+    came while it was read are told, each object's last one only (the list showed it as of a
+    version no older than the watch's first, and its last event is its newest state), and
+    the rest as they come, until the watch ends. Its own thread reads it: the list's thread
+    is busy with the list. Once the reflector's thread has told everything read so far, the
+    reader tells each event itself (`events`' `tell`) while that thread waits for the end:
+    relayed, every event would cost two threads a wake-up. What waits is one event per
+    object changed: at most `_PINNED_MAX` whole, and `_PINNED_GONE_MAX` more of a narrowed
+    watch's objects that left the list's selection (their name and version only: all a
+    reflector tells of them is a DELETED). Beyond that the watch is given up, and the one
+    after the list is asked for from the list's own version, as if there had been none. Once
+    the list has ended, at most `_PINNED_MAX` events wait for the reflector to read them:
+    the reader then reads no more (and an API server ends the watch of a reader that falls
+    behind)."""
 
     def __init__(self, reflector: Reflector, version: str) -> None:
         self._changed = threading.Condition()
@@ -420,7 +430,8 @@ class _Pinned:
         self._gone: dict[str, tuple[str, str]] = {}  # → (uid, resourceVersion): left the selection
         self._version = ""  # of the last event that waits
         self._failed: JSON | None = None  # an ERROR event while the list is read
-        self._events: list[JSON] = []  # once the list has ended
+        self._events: list[JSON] = []  # once the list has ended, until `_tell` is set
+        self._tell: Callable[[JSON], None] | None = None  # then this thread tells each event itself
         self._listed = False
         self._list_version = ""  # the version the list ended at
         self.caught_up = False  # what came while the list was read is told: the rest comes in order
@@ -440,19 +451,23 @@ class _Pinned:
             try:
                 for event in watch:
                     with self._changed:
-                        if self._listed:
-                            while len(self._events) >= _PINNED_MAX and not self._hangup.hung_up:
-                                self._changed.wait(1.0)
+                        while (self._listed and self._tell is None and len(self._events) >= _PINNED_MAX
+                               and not self._hangup.hung_up):
+                            self._changed.wait(1.0)
+                        tell = self._tell
+                        if tell is None and self._listed:
                             self._events.append(event)
                             if len(self._events) == 1:  # its reader waits only for an empty list
                                 self._changed.notify_all()
-                        elif not self._wait(event):
+                        elif tell is None and not self._wait(event):
                             log.info("too many objects changed while a list of %s was read; its watch starts "
                                      "after it", self._plural)
                             self._waiting.clear()
                             self._gone.clear()
                             self._version = ""
                             return
+                    if tell is not None:
+                        tell(event)  # outside the lock: the reflector's thread only waits for the end now
             finally:
                 watch.close()
         except Exception as exc:  # noqa: BLE001 - raised where its events are read (`events`)
@@ -487,8 +502,10 @@ class _Pinned:
         with self._changed:
             self._listed, self._list_version = True, version
 
-    def events(self) -> Iterator[JSON]:
-        """Its events (see the class), then its failure, if it failed, raised."""
+    def events(self, tell: Callable[[JSON], None]) -> Iterator[JSON]:
+        """Its events (see the class), then its failure, if it failed, raised. Once every event
+        read so far is told, the rest go to `tell`, from the reader's thread, until the watch
+        ends; a failure of `tell` ends it, and is raised here."""
         with self._changed:
             self._listed = True
             waited = list(self._waiting.values())
@@ -506,15 +523,16 @@ class _Pinned:
         yield from failed
         while True:
             with self._changed:
-                while not self._events and not self._ended:
-                    self._changed.wait()
-                batch, self._events, ended = self._events, [], self._ended
+                batch, self._events = self._events, []
                 self._changed.notify_all()
+                if not batch:  # all told, each before this thread came back here
+                    self._tell = tell
+                    while not self._ended:
+                        self._changed.wait()
+                    break
             yield from batch
-            if ended:
-                if self._error is not None:
-                    raise self._error
-                return
+        if self._error is not None:
+            raise self._error
 
     def stop(self) -> None:
         self._hangup.hang_up()
