@@ -224,6 +224,8 @@ def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_d
     s.task_event("ADDED", {**task("7"), "metadata": {**task("7")["metadata"], "namespace": "other"}})
     assert s.task_names("ns") == ["t"] and sorted(s.task_names(None)) == ["ns/t", "other/t"]
     assert s.lease_names("ns") == ["t"] and s.lease_names(None) == ["ns/t"] and s.lease_names("other") == []
+    assert s.holds_task("ns", "t") and s.holds_task(None, "other/t") and not s.holds_task("ns", "other/t")
+    assert s.holds_lease(None, "ns/t") and not s.holds_lease("other", "t") and not s.holds_lease(None, "t")
 
     class Empty:
         """A namespace whose Tasks are all gone; one is created meanwhile, after the list's
@@ -237,10 +239,16 @@ def test_the_names_held_are_named_as_a_reflector_names_them_and_a_relist_finds_d
     def listener(kind: str, obj: JSON) -> None:
         seen.append((kind, obj))
         s.task_event(kind, obj)
+    listed: list[str | None] = []
+
+    def known(namespace: str | None) -> list[str]:
+        listed.append(namespace)
+        return s.task_names(namespace)
     watch = Reflector(Empty(), TASKS, namespace="ns", listener=listener,  # type: ignore[arg-type]
-                      known=functools.partial(s.task_names, "ns"))
+                      known=functools.partial(known, "ns"), knows=functools.partial(s.holds_task, "ns"))
     watch._relist()
     assert seen == [("DELETED", {"metadata": {"name": "t", "namespace": "ns"}})]
+    assert listed == ["ns"]  # once, as the list starts: a name it did not bring again is asked of `knows`
     assert s.task(KEY) is None and s.task_names(None) == ["other/t", "ns/new"] and watch.store == {}
 
 

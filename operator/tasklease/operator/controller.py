@@ -205,9 +205,10 @@ def _reflectors(reconciler: Reconciler, podbound: PodBound, queues: QueueControl
     store = reconciler.store
     return [r for ns in scopes for r in (
         Reflector(kube, TASKS, namespace=ns, listener=on_task, known=functools.partial(store.task_names, ns),
-                  batch_s=_WATCH_BATCH_S),
+                  knows=functools.partial(store.holds_task, ns), batch_s=_WATCH_BATCH_S),
         Reflector(kube, LEASES, namespace=ns, listener=on_lease, known=functools.partial(store.lease_names, ns),
-                  label_selector=record.MANAGED_SELECTOR, batch_s=_WATCH_BATCH_S))]
+                  knows=functools.partial(store.holds_lease, ns), label_selector=record.MANAGED_SELECTOR,
+                  batch_s=_WATCH_BATCH_S))]
 
 
 def _registry(reconciler: Reconciler, podbound: PodBound, kube: Kube, health: Health) -> kopf.OperatorRegistry:

@@ -211,6 +211,17 @@ class Store:
         with self._lock:
             return _names(self._leases, namespace)
 
+    def holds_task(self, namespace: str | None, name: str) -> bool:
+        """Whether `name` is in `task_names(namespace)`, without making it: a Reflector's
+        `knows`, which a relist asks for each name it did not bring again."""
+        with self._lock:
+            return _key_of(namespace, name) in self._tasks
+
+    def holds_lease(self, namespace: str | None, name: str) -> bool:
+        """Whether `name` is in `lease_names(namespace)`, as `holds_task`."""
+        with self._lock:
+            return _key_of(namespace, name) in self._leases
+
     def note_duration(self, key: Key, rec: LeaseRecord, duration_s: int) -> None:
         """The Task's spec.leaseDurationSeconds while `rec` holds it (`timeouts.Sighting.duration_s`)."""
         with self._lock:
@@ -397,6 +408,14 @@ def _names(held: dict[Key, Any], namespace: str | None) -> list[str]:
     if namespace is not None:
         return [name for ns, name in held if ns == namespace]
     return [f"{ns}/{name}" for ns, name in held]
+
+
+def _key_of(namespace: str | None, name: str) -> Key:
+    """The key of a name as `_names` gives it."""
+    if namespace is not None:
+        return (namespace, name)
+    ns, _, short = name.partition("/")
+    return (ns, short)
 
 
 def _key(obj: JSON) -> Key:
