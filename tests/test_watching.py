@@ -208,8 +208,11 @@ def test_a_streaming_list_misses_nothing_and_the_watch_opened_before_it_goes_on(
     assert timeouts == [LIST_TIMEOUT_S, LIST_TIMEOUT_S] and LIST_TIMEOUT_S > 300
     assert sorted(seen) == sorted(f"ADDED s-{i:02d}" for i in range(25))
     tellers: set[str] = set()
-    seen_too = reflector.listener
-    reflector.listener = lambda kind, obj: (tellers.add(threading.current_thread().name), seen_too(kind, obj))[1]
+
+    def told_by(kind: str, obj: JSON) -> None:
+        tellers.add(threading.current_thread().name)
+        seen(kind, obj)
+    reflector.listener = told_by
     kube.create(LEASES, lease("s-late", "stream"))
     kube.delete(LEASES, "s-00")
     wait_for(lambda: "DELETED s-00" in seen and "ADDED s-late" in seen, message="the changes after the list")

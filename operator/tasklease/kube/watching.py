@@ -451,8 +451,8 @@ class _Pinned:
             try:
                 for event in watch:
                     with self._changed:
-                        while (self._listed and self._tell is None and len(self._events) >= _PINNED_MAX
-                               and not self._hangup.hung_up):
+                        # Only a listed watch not yet handed over keeps events, and only until they are taken.
+                        while len(self._events) >= _PINNED_MAX and not self._hangup.hung_up:
                             self._changed.wait(1.0)
                         tell = self._tell
                         if tell is None and self._listed:
